@@ -1,0 +1,210 @@
+"""Llama / Qwen2 / Qwen3 decoder in plain torch, with a ragged batched forward.
+
+One forward runs every sequence's new tokens through the linears as one ``[T, hidden]``
+matrix; only attention is per sequence (each against its own cache rows). Tensor
+parallelism is in the weights (each rank holds its heads / channels / vocab slice) and
+two collectives from ``TPContext``; at TP=1 they vanish.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .batch import ForwardBatch, ForwardOutput
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .parallel import TPContext
+from .rope import RotaryTable, apply_rope
+from .weights import CheckpointReader
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class _AttnPlan:
+    """Per-sequence slices and causal masks, built once per forward and shared by all layers."""
+
+    def __init__(self, batch: ForwardBatch, group: int) -> None:
+        self.items: list[tuple[int, int, int, int, torch.Tensor | None]] = []
+        off = 0
+        for seq_id, start, n in zip(batch.seq_ids, batch.start_pos, batch.num_new, strict=True):
+            mask = None
+            if n > 1:  # query i (absolute start+i) sees keys 0..start+i
+                q_pos = torch.arange(start, start + n).unsqueeze(1)
+                mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).repeat(group, 1)
+            self.items.append((seq_id, off, start, n, mask))
+            off += n
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.heads = cfg.num_heads // tp.world
+        self.kv_heads = cfg.num_kv_heads // tp.world
+        self.inter = cfg.intermediate_size // tp.world
+        hd, d = cfg.head_dim, cfg.hidden_size
+        qkv_out = (self.heads + 2 * self.kv_heads) * hd
+        self.input_norm = nn.Parameter(torch.ones(d), requires_grad=False)
+        self.qkv = nn.Parameter(torch.empty(qkv_out, d), requires_grad=False)
+        self.qkv_bias: nn.Parameter | None = None
+        self.q_norm = nn.Parameter(torch.ones(hd), requires_grad=False) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(hd), requires_grad=False) if cfg.qk_norm else None
+        self.o = nn.Parameter(torch.empty(d, self.heads * hd), requires_grad=False)
+        self.o_bias: nn.Parameter | None = None
+        self.post_norm = nn.Parameter(torch.ones(d), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(2 * self.inter, d), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(d, self.inter), requires_grad=False)
+        self.scale = hd**-0.5
+
+    def load(self, ckpt: CheckpointReader, prefix: str) -> None:
+        cfg, tp, hd = self.cfg, self.tp, self.cfg.head_dim
+        q0, k0 = tp.rank * self.heads * hd, tp.rank * self.kv_heads * hd
+        qn, kn = self.heads * hd, self.kv_heads * hd
+        att = f"{prefix}.self_attn"
+        self.qkv.data = torch.cat([
+            ckpt.rows(f"{att}.q_proj.weight", q0, qn),
+            ckpt.rows(f"{att}.k_proj.weight", k0, kn),
+            ckpt.rows(f"{att}.v_proj.weight", k0, kn),
+        ])
+        if ckpt.has(f"{att}.q_proj.bias"):
+            self.qkv_bias = nn.Parameter(torch.cat([
+                ckpt.rows(f"{att}.q_proj.bias", q0, qn),
+                ckpt.rows(f"{att}.k_proj.bias", k0, kn),
+                ckpt.rows(f"{att}.v_proj.bias", k0, kn),
+            ]), requires_grad=False)
+        self.o.data = ckpt.cols(f"{att}.o_proj.weight", q0, qn)
+        if ckpt.has(f"{att}.o_proj.bias"):  # added once, after the all-reduce
+            self.o_bias = nn.Parameter(ckpt.get(f"{att}.o_proj.bias"), requires_grad=False)
+        if cfg.qk_norm:
+            self.q_norm.data = ckpt.get(f"{att}.q_norm.weight")
+            self.k_norm.data = ckpt.get(f"{att}.k_norm.weight")
+        self.input_norm.data = ckpt.get(f"{prefix}.input_layernorm.weight")
+        self.post_norm.data = ckpt.get(f"{prefix}.post_attention_layernorm.weight")
+        i0 = tp.rank * self.inter
+        self.gate_up.data = torch.cat([
+            ckpt.rows(f"{prefix}.mlp.gate_proj.weight", i0, self.inter),
+            ckpt.rows(f"{prefix}.mlp.up_proj.weight", i0, self.inter),
+        ])
+        self.down.data = ckpt.cols(f"{prefix}.mlp.down_proj.weight", i0, self.inter)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        plan: _AttnPlan, cache: KVCache, layer_id: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``h`` ``[T, hidden]`` -> new ``h``, and this rank's new K, V ``[T, kv_heads, head_dim]``."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        T = h.shape[0]
+        qkv = F.linear(rms_norm(h, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q, k, v = q.view(T, self.heads, hd), k.view(T, self.kv_heads, hd), v.view(T, self.kv_heads, hd)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        group = self.heads // self.kv_heads
+        out = torch.empty(T, self.heads * hd, dtype=h.dtype)
+        for seq_id, off, start, n, mask in plan.items:
+            cache.write(layer_id, seq_id, start, k[off : off + n], v[off : off + n])
+            keys, values = cache.view(layer_id, seq_id, start + n)  # [kv_heads, L, hd]
+            # fold the query heads of one KV group together: [kv_heads, group * n, hd]
+            qs = q[off : off + n].transpose(0, 1).reshape(self.kv_heads, group * n, hd)
+            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale)
+            out[off : off + n] = o.view(self.heads, n, hd).transpose(0, 1).reshape(n, -1)
+        attn = self.tp.all_reduce(F.linear(out, self.o))
+        if self.o_bias is not None:
+            attn = attn + self.o_bias
+        h = h + attn
+
+        gate, up = F.linear(rms_norm(h, self.post_norm, cfg.rms_norm_eps), self.gate_up).chunk(2, -1)
+        h = h + self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down))
+        return h, k, v
+
+
+class TargetModel(nn.Module):
+    """The whole decoder for one TP rank."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext | None = None) -> None:
+        super().__init__()
+        self.cfg, self.tp = cfg, tp or TPContext()
+        cfg.check_tp(self.tp.world)
+        self.vocab_start, self.vocab_size = self.tp.vocab_shard(cfg.vocab_size)
+        d = cfg.hidden_size
+        self.embed = nn.Parameter(torch.empty(self.vocab_size, d), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(d), requires_grad=False)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(self.vocab_size, d), requires_grad=False
+        )
+        self.rope = RotaryTable(cfg)
+        self.tap_index = {layer: i for i, layer in enumerate(cfg.tap_layer_ids)}
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.cfg.num_kv_heads // self.tp.world
+
+    def load(self, ckpt: CheckpointReader) -> None:
+        v0, vn = self.vocab_start, self.vocab_size
+        self.embed.data = ckpt.rows("model.embed_tokens.weight", v0, vn)
+        for i, layer in enumerate(self.layers):
+            layer.load(ckpt, f"model.layers.{i}")
+        self.norm.data = ckpt.get("model.norm.weight")
+        if self.cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = nn.Parameter(ckpt.rows("lm_head.weight", v0, vn), requires_grad=False)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: ids outside this rank's slice contribute zeros."""
+        if not self.tp.enabled:
+            return F.embedding(tokens, self.embed)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_size)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on ``h`` ``[N, hidden]`` -> ``[N, vocab]`` (gathered, fp32)."""
+        local = F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+        return self.tp.all_gather_last(local, self.cfg.vocab_size).float()
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+        positions = torch.cat([
+            torch.arange(s, s + n) for s, n in zip(batch.start_pos, batch.num_new, strict=True)
+        ])
+        cos, sin = self.rope.lookup(positions)
+        plan = _AttnPlan(batch, self.cfg.num_heads // self.cfg.num_kv_heads)
+        h = self.embed_tokens(batch.token_ids)
+        taps_h, taps_k, taps_v = [], [], []
+        for i, layer in enumerate(self.layers):
+            h, k, v = layer(h, cos, sin, plan, cache, i)
+            if batch.return_taps and i in self.tap_index:
+                taps_h.append(h)
+                taps_k.append(self._gather_heads(k))
+                taps_v.append(self._gather_heads(v))
+        rows = self._logit_rows(batch)
+        out = ForwardOutput(logits=self.logits(h[rows]))
+        if batch.return_taps:
+            out.tap_hidden = torch.stack(taps_h, dim=1)  # [T, L, hidden]
+            out.tap_k, out.tap_v = torch.stack(taps_k), torch.stack(taps_v)
+        return out
+
+    def _gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[T, kv_heads/tp, hd]`` -> every rank's ``[T, kv_heads, hd]``."""
+        if not self.tp.enabled:
+            return x
+        T, hd = x.shape[0], self.cfg.head_dim
+        full = self.cfg.num_kv_heads * hd
+        return self.tp.all_gather_last(x.reshape(T, -1), full).view(T, -1, hd)
+
+    @staticmethod
+    def _logit_rows(batch: ForwardBatch) -> torch.Tensor:
+        rows, off = [], 0
+        for n, m in zip(batch.num_new, batch.num_logits, strict=True):
+            rows.extend(range(off + n - m, off + n))
+            off += n
+        return torch.tensor(rows, dtype=torch.long)

@@ -1,0 +1,101 @@
+"""One rank's target: the model shard, its KV cache, and the calls the engine makes.
+
+Used directly in-process at TP=1 and wrapped by the Ray actor ``TargetWorker`` for any
+TP degree; every rank runs the same calls in the same order, so collectives line up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .batch import ForwardBatch, ForwardOutput
+from .config import DEFAULT_NUM_TAPS, ModelConfig, TargetConfigError
+from .kv_cache import KVCache, KVCacheFull
+from .model import TargetModel
+from .parallel import TPContext
+from .weights import CheckpointReader
+
+log = logging.getLogger("longspark.target")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """How to build a target rank (the same for every rank of a group)."""
+
+    path: str
+    dtype: str = "float32"
+    kv_cache_tokens: int = 65536  # whole-model token budget of the KV pool
+    num_taps: int = DEFAULT_NUM_TAPS
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise TargetConfigError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        if self.kv_cache_tokens < 16:
+            raise TargetConfigError("kv_cache_tokens must be at least 16")
+
+
+class TargetRunner:
+    def __init__(self, spec: TargetSpec, tp: TPContext | None = None) -> None:
+        self.spec, self.tp = spec, tp or TPContext()
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        self.cfg = ModelConfig.from_pretrained(spec.path, spec.num_taps)
+        self.cfg.check_tp(self.tp.world)
+        dtype = DTYPES[spec.dtype]
+        t0 = time.perf_counter()
+        model = TargetModel(self.cfg, self.tp)
+        ckpt = CheckpointReader(Path(spec.path), dtype)
+        model.load(ckpt)
+        ckpt.close()
+        self.model = model.eval()
+        self.cache = KVCache(
+            self.cfg.num_layers, model.local_kv_heads, self.cfg.head_dim,
+            spec.kv_cache_tokens, dtype=dtype,
+        )
+        log.info("rank %d/%d loaded %s in %.1fs", self.tp.rank, self.tp.world, spec.path,
+                 time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Roll each sequence back to ``start_pos``, append its new tokens, run the model."""
+        for seq_id, start, n in zip(batch.seq_ids, batch.start_pos, batch.num_new, strict=True):
+            have = self.cache.length(seq_id)
+            if start > have:
+                raise ValueError(f"sequence {seq_id}: start {start} is past its cache length {have}")
+            if start + n > self.cfg.max_position_embeddings:
+                raise TargetConfigError(
+                    f"sequence {seq_id} would reach {start + n} tokens, over the model's context "
+                    f"of {self.cfg.max_position_embeddings}"
+                )
+            if seq_id in self.cache.seqs:
+                self.cache.rollback(seq_id, start)
+            self.cache.reserve(seq_id, start + n)
+            self.cache.set_length(seq_id, start + n)
+        return self.model(batch, self.cache)
+
+    def free(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.cache.free(seq_id)
+
+    def kv_stats(self) -> dict[str, int]:
+        return {
+            "total_blocks": self.cache.total_blocks,
+            "used_blocks": self.cache.used_blocks,
+            "block_size": self.cache.block_size,
+            "num_seqs": len(self.cache.seqs),
+        }
+
+    def config(self) -> ModelConfig:
+        return self.cfg
+
+
+__all__ = ["TargetRunner", "TargetSpec", "KVCacheFull"]
