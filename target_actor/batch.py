@@ -28,7 +28,9 @@ class ForwardBatch:
         if not (len(self.num_new) == len(self.start_pos) == len(self.num_logits) == n):
             raise ValueError("seq_ids, num_new, start_pos and num_logits must have one entry each")
         if sum(self.num_new) != self.token_ids.numel():
-            raise ValueError(f"num_new sums to {sum(self.num_new)}, got {self.token_ids.numel()} tokens")
+            raise ValueError(
+                f"num_new sums to {sum(self.num_new)}, got {self.token_ids.numel()} tokens"
+            )
         if any(not 0 <= m <= k for m, k in zip(self.num_logits, self.num_new, strict=True)):
             raise ValueError("num_logits[i] must lie in 0..num_new[i]")
         if len(set(self.seq_ids)) != n:
@@ -39,7 +41,12 @@ class ForwardBatch:
         cls, seq_id: int, tokens: list[int], start: int, num_logits: int = 1, taps: bool = False
     ) -> ForwardBatch:
         return cls(
-            [seq_id], torch.tensor(tokens, dtype=torch.long), [len(tokens)], [start], [num_logits], taps
+            [seq_id],
+            torch.tensor(tokens, dtype=torch.long),
+            [len(tokens)],
+            [start],
+            [num_logits],
+            taps,
         )
 
 

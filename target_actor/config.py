@@ -95,9 +95,13 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], num_taps: int = DEFAULT_NUM_TAPS) -> ModelConfig:
         archs = raw.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
+        )
         if arch is None:
-            arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(raw.get("model_type", ""))
+            arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+                raw.get("model_type", "")
+            )
         if arch is None:
             got = archs or raw.get("model_type")
             raise TargetConfigError(

@@ -65,17 +65,24 @@ class DecoderLayer(nn.Module):
         q0, k0 = tp.rank * self.heads * hd, tp.rank * self.kv_heads * hd
         qn, kn = self.heads * hd, self.kv_heads * hd
         att = f"{prefix}.self_attn"
-        self.qkv.data = torch.cat([
-            ckpt.rows(f"{att}.q_proj.weight", q0, qn),
-            ckpt.rows(f"{att}.k_proj.weight", k0, kn),
-            ckpt.rows(f"{att}.v_proj.weight", k0, kn),
-        ])
+        self.qkv.data = torch.cat(
+            [
+                ckpt.rows(f"{att}.q_proj.weight", q0, qn),
+                ckpt.rows(f"{att}.k_proj.weight", k0, kn),
+                ckpt.rows(f"{att}.v_proj.weight", k0, kn),
+            ]
+        )
         if ckpt.has(f"{att}.q_proj.bias"):
-            self.qkv_bias = nn.Parameter(torch.cat([
-                ckpt.rows(f"{att}.q_proj.bias", q0, qn),
-                ckpt.rows(f"{att}.k_proj.bias", k0, kn),
-                ckpt.rows(f"{att}.v_proj.bias", k0, kn),
-            ]), requires_grad=False)
+            self.qkv_bias = nn.Parameter(
+                torch.cat(
+                    [
+                        ckpt.rows(f"{att}.q_proj.bias", q0, qn),
+                        ckpt.rows(f"{att}.k_proj.bias", k0, kn),
+                        ckpt.rows(f"{att}.v_proj.bias", k0, kn),
+                    ]
+                ),
+                requires_grad=False,
+            )
         self.o.data = ckpt.cols(f"{att}.o_proj.weight", q0, qn)
         if ckpt.has(f"{att}.o_proj.bias"):  # added once, after the all-reduce
             self.o_bias = nn.Parameter(ckpt.get(f"{att}.o_proj.bias"), requires_grad=False)
@@ -85,22 +92,33 @@ class DecoderLayer(nn.Module):
         self.input_norm.data = ckpt.get(f"{prefix}.input_layernorm.weight")
         self.post_norm.data = ckpt.get(f"{prefix}.post_attention_layernorm.weight")
         i0 = tp.rank * self.inter
-        self.gate_up.data = torch.cat([
-            ckpt.rows(f"{prefix}.mlp.gate_proj.weight", i0, self.inter),
-            ckpt.rows(f"{prefix}.mlp.up_proj.weight", i0, self.inter),
-        ])
+        self.gate_up.data = torch.cat(
+            [
+                ckpt.rows(f"{prefix}.mlp.gate_proj.weight", i0, self.inter),
+                ckpt.rows(f"{prefix}.mlp.up_proj.weight", i0, self.inter),
+            ]
+        )
         self.down.data = ckpt.cols(f"{prefix}.mlp.down_proj.weight", i0, self.inter)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        plan: _AttnPlan, cache: KVCache, layer_id: int,
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: _AttnPlan,
+        cache: KVCache,
+        layer_id: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``h`` ``[T, hidden]`` -> new ``h``, and this rank's new K, V ``[T, kv_heads, head_dim]``."""
         cfg, hd = self.cfg, self.cfg.head_dim
         T = h.shape[0]
         qkv = F.linear(rms_norm(h, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
         q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        q, k, v = q.view(T, self.heads, hd), k.view(T, self.kv_heads, hd), v.view(T, self.kv_heads, hd)
+        q, k, v = (
+            q.view(T, self.heads, hd),
+            k.view(T, self.kv_heads, hd),
+            v.view(T, self.kv_heads, hd),
+        )
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
@@ -120,7 +138,9 @@ class DecoderLayer(nn.Module):
             attn = attn + self.o_bias
         h = h + attn
 
-        gate, up = F.linear(rms_norm(h, self.post_norm, cfg.rms_norm_eps), self.gate_up).chunk(2, -1)
+        gate, up = F.linear(rms_norm(h, self.post_norm, cfg.rms_norm_eps), self.gate_up).chunk(
+            2, -1
+        )
         h = h + self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down))
         return h, k, v
 
@@ -128,7 +148,9 @@ class DecoderLayer(nn.Module):
 class TargetModel(nn.Module):
     """The whole decoder for one TP rank."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPContext | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp or TPContext()
         cfg.check_tp(self.tp.world)
@@ -137,10 +159,12 @@ class TargetModel(nn.Module):
         self.embed = nn.Parameter(torch.empty(self.vocab_size, d), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(d), requires_grad=False)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(self.vocab_size, d), requires_grad=False
+        self.lm_head = (
+            self.embed
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(self.vocab_size, d), requires_grad=False)
         )
-        self.rope = RotaryTable(cfg)
+        self.rope = RotaryTable(cfg, dtype)
         self.tap_index = {layer: i for i, layer in enumerate(cfg.tap_layer_ids)}
 
     @property
@@ -173,9 +197,9 @@ class TargetModel(nn.Module):
         return self.tp.all_gather_last(local, self.cfg.vocab_size).float()
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
-        positions = torch.cat([
-            torch.arange(s, s + n) for s, n in zip(batch.start_pos, batch.num_new, strict=True)
-        ])
+        positions = torch.cat(
+            [torch.arange(s, s + n) for s, n in zip(batch.start_pos, batch.num_new, strict=True)]
+        )
         cos, sin = self.rope.lookup(positions)
         plan = _AttnPlan(batch, self.cfg.num_heads // self.cfg.num_kv_heads)
         h = self.embed_tokens(batch.token_ids)

@@ -29,11 +29,17 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         return _llama3(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn(cfg, scaling)
-    raise TargetConfigError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3, yarn)")
+    raise TargetConfigError(
+        f"unsupported rope_type {kind!r} (supported: default, linear, llama3, yarn)"
+    )
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
-    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    factor, low, high = (
+        float(s["factor"]),
+        float(s["low_freq_factor"]),
+        float(s["high_freq_factor"]),
+    )
     old_len = float(s["original_max_position_embeddings"])
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq

@@ -22,8 +22,14 @@ from .weights import CheckpointReader
 
 log = logging.getLogger("longspark.target")
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,9 @@ class TargetSpec:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise TargetConfigError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+            raise TargetConfigError(
+                f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}"
+            )
         if self.kv_cache_tokens < 16:
             raise TargetConfigError("kv_cache_tokens must be at least 16")
 
@@ -52,17 +60,25 @@ class TargetRunner:
         self.cfg.check_tp(self.tp.world)
         dtype = DTYPES[spec.dtype]
         t0 = time.perf_counter()
-        model = TargetModel(self.cfg, self.tp)
+        model = TargetModel(self.cfg, self.tp, dtype)
         ckpt = CheckpointReader(Path(spec.path), dtype)
         model.load(ckpt)
         ckpt.close()
         self.model = model.eval()
         self.cache = KVCache(
-            self.cfg.num_layers, model.local_kv_heads, self.cfg.head_dim,
-            spec.kv_cache_tokens, dtype=dtype,
+            self.cfg.num_layers,
+            model.local_kv_heads,
+            self.cfg.head_dim,
+            spec.kv_cache_tokens,
+            dtype=dtype,
         )
-        log.info("rank %d/%d loaded %s in %.1fs", self.tp.rank, self.tp.world, spec.path,
-                 time.perf_counter() - t0)
+        log.info(
+            "rank %d/%d loaded %s in %.1fs",
+            self.tp.rank,
+            self.tp.world,
+            spec.path,
+            time.perf_counter() - t0,
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
@@ -70,7 +86,9 @@ class TargetRunner:
         for seq_id, start, n in zip(batch.seq_ids, batch.start_pos, batch.num_new, strict=True):
             have = self.cache.length(seq_id)
             if start > have:
-                raise ValueError(f"sequence {seq_id}: start {start} is past its cache length {have}")
+                raise ValueError(
+                    f"sequence {seq_id}: start {start} is past its cache length {have}"
+                )
             if start + n > self.cfg.max_position_embeddings:
                 raise TargetConfigError(
                     f"sequence {seq_id} would reach {start + n} tokens, over the model's context "

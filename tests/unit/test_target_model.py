@@ -38,8 +38,10 @@ def test_incremental_decode_matches_full_forward(tiny_checkpoints, arch):
     tokens = prompt(20, seed=2)
     runner = TargetRunner(TargetSpec(str(tiny_checkpoints[arch])))
     runner.forward(ForwardBatch.single(0, tokens[:12], 0))
-    steps = [runner.forward(ForwardBatch.single(0, [t], 12 + i)).logits[0]
-             for i, t in enumerate(tokens[12:])]
+    steps = [
+        runner.forward(ForwardBatch.single(0, [t], 12 + i)).logits[0]
+        for i, t in enumerate(tokens[12:])
+    ]
     ref = hf_logits(tiny_checkpoints[arch], tokens)[12:]
     assert (torch.stack(steps) - ref).abs().max().item() <= 1e-4
 
@@ -52,17 +54,27 @@ def test_ragged_batch_equals_each_sequence_alone(tiny_checkpoints):
     for i, s in enumerate(seqs):
         expected.append(alone.forward(ForwardBatch.single(i, s, 0, num_logits=len(s))).logits)
     batched = TargetRunner(TargetSpec(path))
-    out = batched.forward(ForwardBatch(
-        seq_ids=[0, 1, 2, 3], token_ids=torch.tensor([t for s in seqs for t in s]),
-        num_new=[len(s) for s in seqs], start_pos=[0] * 4, num_logits=[len(s) for s in seqs],
-    )).logits
+    out = batched.forward(
+        ForwardBatch(
+            seq_ids=[0, 1, 2, 3],
+            token_ids=torch.tensor([t for s in seqs for t in s]),
+            num_new=[len(s) for s in seqs],
+            start_pos=[0] * 4,
+            num_logits=[len(s) for s in seqs],
+        )
+    ).logits
     assert (out - torch.cat(expected)).abs().max().item() <= 1e-5
     # a second ragged step mixing decode (1 token) and verify-sized blocks (4 tokens)
     more = [prompt(n, seed=40 + n) for n in (1, 4, 4, 1)]
-    step = batched.forward(ForwardBatch(
-        seq_ids=[0, 1, 2, 3], token_ids=torch.tensor([t for s in more for t in s]),
-        num_new=[len(s) for s in more], start_pos=[len(s) for s in seqs], num_logits=[1, 4, 2, 1],
-    )).logits
+    step = batched.forward(
+        ForwardBatch(
+            seq_ids=[0, 1, 2, 3],
+            token_ids=torch.tensor([t for s in more for t in s]),
+            num_new=[len(s) for s in more],
+            start_pos=[len(s) for s in seqs],
+            num_logits=[1, 4, 2, 1],
+        )
+    ).logits
     ref = [hf_logits(path, s + m)[-k:] for s, m, k in zip(seqs, more, [1, 4, 2, 1], strict=True)]
     assert (step - torch.cat(ref)).abs().max().item() <= 1e-4
 
@@ -101,17 +113,32 @@ def test_taps_shapes_and_values(tiny_checkpoints):
     assert torch.equal(out.tap_v[0].transpose(0, 1), v_cached)
 
 
-@pytest.mark.parametrize("arch,rope", [
-    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
-    ("qwen2", {"rope_type": "linear", "factor": 2.0}),
-])
+@pytest.mark.parametrize(
+    "arch,rope",
+    [
+        (
+            "llama",
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+        ("qwen2", {"rope_type": "linear", "factor": 2.0}),
+    ],
+)
 def test_rope_scaling_matches_transformers(tmp_path, arch, rope):
     from tests.conftest import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(tmp_path / arch, arch,
-                                rope_parameters={**rope, "rope_theta": 10000.0}, tie_word_embeddings=True)
+    path = make_tiny_checkpoint(
+        tmp_path / arch,
+        arch,
+        rope_parameters={**rope, "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+    )
     tokens = prompt(60, 9)
     runner = TargetRunner(TargetSpec(str(path)))
     assert runner.cfg.rope_scaling and runner.cfg.tie_word_embeddings

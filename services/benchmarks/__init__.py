@@ -1,0 +1,1 @@
+"""Benchmarks (speed only; tests never time anything)."""

@@ -1,0 +1,215 @@
+"""``longspark`` command line: model fetch/path, generate, serve, bench.
+
+Every expected failure (bad flag, missing model, unsupported checkpoint, bad request
+setting) ends in one line on stderr and exit status 2; set ``LONGSPARK_DEBUG=1`` for
+tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from .errors import user_error_message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        self.exit(2, f"longspark: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target",
+        default=None,
+        help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)",
+    )
+    p.add_argument(
+        "--tp", type=_positive_int, default=1, help="tensor-parallel degree (Ray actors)"
+    )
+    p.add_argument("--dtype", default="float32", help="weight dtype: float32 (default) or bfloat16")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=_positive_int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="longspark", description="Speculative-decoding LLM service.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    model = sub.add_parser("model", help="the default target model")
+    model_sub = model.add_subparsers(dest="model_command", required=True, parser_class=_Parser)
+    fetch = model_sub.add_parser(
+        "fetch", help="fetch and convert SmolLM2-135M-Instruct (idempotent)"
+    )
+    fetch.add_argument("--force", action="store_true", help="convert again even if present")
+    model_sub.add_parser("path", help="print the converted default model's folder")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--mode", choices=["ar"], default="ar", help="ar = plain decoding")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_target_args(gen)
+    _add_sampling_args(gen)
+
+    serve = sub.add_parser("serve", help="serve the default model (generation demo for now)")
+    _add_target_args(serve)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
+    dec = bench_sub.add_parser("decode", help="plain decoding tokens/s vs transformers generate")
+    dec.add_argument("--max-tokens", type=_positive_int, default=128)
+    dec.add_argument("--repeats", type=_positive_int, default=3)
+    dec.add_argument("--compile", action="store_true", help="also time a torch.compile'd target")
+    dec.add_argument("--json", default=None, help="write results to this JSON file")
+    _add_target_args(dec)
+    return parser
+
+
+def _cmd_model(args: argparse.Namespace) -> None:
+    from target_actor.checkpoint import fetch_default_model
+
+    path = fetch_default_model(force=getattr(args, "force", False))
+    print(path)
+
+
+def _open_target(args: argparse.Namespace):
+    from target_actor.checkpoint import resolve_target
+    from target_actor.runner import TargetSpec
+    from target_actor.worker import LocalTarget, TargetGroup
+
+    spec = TargetSpec(str(resolve_target(args.target)), dtype=args.dtype)
+    if args.tp == 1:
+        return LocalTarget(spec), spec
+    import ray
+
+    from target_actor.config import ModelConfig
+
+    ModelConfig.from_pretrained(spec.path).check_tp(args.tp)  # before starting Ray
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, args.tp + 1),
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return TargetGroup(spec, args.tp), spec
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    from .plain import generate_plain
+    from .sampling import SamplingParams
+    from .tokenizer import Tokenizer
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    target, spec = _open_target(args)
+    try:
+        tok = Tokenizer(spec.path)
+        ids = (
+            tok.encode_chat([{"role": "user", "content": args.prompt}])
+            if args.chat
+            else tok.encode(args.prompt)
+        )
+        result = generate_plain(target, tok, ids, params)
+    finally:
+        target.shutdown()
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(result.text)
+        print(
+            f"[{result.num_generated_tokens} tokens, {result.tokens_per_s:.1f} tok/s, "
+            f"{result.finish_reason}]",
+            file=sys.stderr,
+        )
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    print(
+        "longspark serve: the HTTP service is not built yet; running a generation demo "
+        "with the default model instead.",
+        file=sys.stderr,
+    )
+    args.prompt, args.chat, args.json, args.mode = (
+        "Write one sentence about Paris.",
+        True,
+        False,
+        "ar",
+    )
+    args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop = (
+        48,
+        0.0,
+        1.0,
+        0,
+        None,
+        [],
+    )
+    _cmd_generate(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    from .benchmarks.decode import run_decode_bench
+
+    report = run_decode_bench(args)
+    text = json.dumps(report, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "model": _cmd_model,
+    "generate": _cmd_generate,
+    "serve": _cmd_serve,
+    "bench": _cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("LONGSPARK_LOG", "WARNING"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's one boundary
+        if os.environ.get("LONGSPARK_DEBUG"):
+            raise
+        print(f"longspark: error: {user_error_message(exc)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

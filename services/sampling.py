@@ -1,0 +1,90 @@
+"""Sampling settings and the distribution a sequence actually samples from.
+
+``target_probs`` turns logits into the processed distribution ``p`` (temperature, then
+top-k, then top-p, renormalised). Plain decoding samples from it; the rejection sampler
+verifies drafts against exactly the same ``p``, which keeps speculative output lossless.
+Greedy (``temperature == 0``) never builds ``p``: it takes the argmax of the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class InvalidRequest(ValueError):
+    """A request setting is out of range (one-line message naming the field)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest(
+                f"max_tokens must be a positive integer, got {self.max_tokens}", "max_tokens"
+            )
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequest(
+                f"temperature must lie in [0, 100], got {self.temperature}", "temperature"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must lie in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(
+                f"top_k must be -1, 0 or a positive integer, got {self.top_k}", "top_k"
+            )
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("stop must be a non-empty string or a list of them", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self) -> torch.Generator | None:
+        """A private RNG for a seeded request, so its output does not depend on the batch."""
+        return None if self.seed is None else torch.Generator().manual_seed(self.seed)
+
+
+def target_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """``logits`` ``[n, vocab]`` -> the processed distribution ``[n, vocab]`` (fp32, sums to 1)."""
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+        sorted_p = sorted_p.masked_fill(
+            before >= top_p, 0.0
+        )  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from ``logits`` ``[vocab]`` under ``params``."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = target_probs(logits.unsqueeze(0), params.temperature, params.top_k, params.top_p)
+    return int(torch.multinomial(probs[0], 1, generator=gen))

@@ -1,0 +1,123 @@
+"""The target as Ray actors: one ``TargetWorker`` per TP rank, driven as one ``TargetGroup``.
+
+The group reserves one placement group (one bundle per rank, ``STRICT_PACK``), starts the
+ranks, joins them into a ``torch.distributed`` group (gloo on CPU, nccl on CUDA) and then
+sends every rank the same call, returning rank 0's result. ``LocalTarget`` offers the same
+interface in-process at TP=1, without Ray.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .batch import ForwardBatch, ForwardOutput
+from .config import ModelConfig
+from .parallel import init_distributed
+from .runner import TargetRunner, TargetSpec
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TargetWorker:
+    """One TP rank. Wrapped with ``ray.remote`` by ``TargetGroup``."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.runner: TargetRunner | None = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port on it, for the process group."""
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, spec: TargetSpec, master_addr: str, master_port: int) -> ModelConfig:
+        tp = init_distributed(self.rank, self.world, master_addr, master_port)
+        self.runner = TargetRunner(spec, tp)
+        return self.runner.cfg
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run one runner method (``forward``, ``free``, ``kv_stats``...)."""
+        result = getattr(self.runner, method)(*args)
+        return result if self.rank == 0 else None
+
+
+class TargetGroup:
+    """N target ranks on Ray; ``call`` runs a runner method on all, returns rank 0's result."""
+
+    def __init__(
+        self, spec: TargetSpec, tp: int, cpus_per_rank: float = 1.0, gpus_per_rank: float = 0.0
+    ) -> None:
+        ModelConfig.from_pretrained(spec.path, spec.num_taps).check_tp(tp)  # fail before Ray work
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+        self.pg: PlacementGroup = placement_group(
+            [dict(bundle) for _ in range(tp)], strategy="STRICT_PACK"
+        )
+        ray.get(self.pg.ready(), timeout=120)
+        actor_cls = ray.remote(TargetWorker)
+        self.workers = [
+            actor_cls.options(
+                num_cpus=cpus_per_rank,
+                num_gpus=gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cpus_per_rank)))}},
+            ).remote(rank, tp)
+            for rank in range(tp)
+        ]
+        addr, port = ray.get(self.workers[0].rendezvous.remote())
+        self.cfg: ModelConfig = ray.get([w.setup.remote(spec, addr, port) for w in self.workers])[0]
+
+    def call_async(self, method: str, *args: Any) -> ray.ObjectRef:
+        """Same call on every rank; the returned ref is rank 0's result."""
+        refs = [w.call.remote(method, *args) for w in self.workers]
+        return refs[0]
+
+    def call(self, method: str, *args: Any) -> Any:
+        refs = [w.call.remote(method, *args) for w in self.workers]
+        return ray.get(refs)[0]
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        return self.call("forward", batch)
+
+    def free(self, seq_ids: list[int]) -> None:
+        self.call("free", seq_ids)
+
+    def kv_stats(self) -> dict[str, int]:
+        return self.call("kv_stats")
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)
+
+
+class LocalTarget:
+    """TP=1 in this process, with ``TargetGroup``'s interface."""
+
+    def __init__(self, spec: TargetSpec) -> None:
+        self.runner = TargetRunner(spec)
+        self.cfg = self.runner.cfg
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.runner, method)(*args)
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        return self.runner.forward(batch)
+
+    def free(self, seq_ids: list[int]) -> None:
+        self.runner.free(seq_ids)
+
+    def kv_stats(self) -> dict[str, int]:
+        return self.runner.kv_stats()
+
+    def shutdown(self) -> None:
+        pass
