@@ -44,6 +44,28 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="weight dtype: float32 (default) or bfloat16")
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mode",
+        choices=["spec", "ar"],
+        default="spec",
+        help="spec = speculative decoding (default), ar = plain decoding",
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter folder (default: the shipped drafter; 'random' = untrained)",
+    )
+    p.add_argument("--k", type=_positive_int, default=None, help="draft tokens per round")
+    p.add_argument("--no-carry", action="store_true", help="turn Carryover off (ablation)")
+    p.add_argument(
+        "--backend",
+        choices=["local", "ray"],
+        default="local",
+        help="local = one process; ray = target TP ranks and drafter as Ray actors",
+    )
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -68,13 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    gen.add_argument("--mode", choices=["ar"], default="ar", help="ar = plain decoding")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_target_args(gen)
+    _add_engine_args(gen)
     _add_sampling_args(gen)
 
     serve = sub.add_parser("serve", help="serve the default model (generation demo for now)")
     _add_target_args(serve)
+    _add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
@@ -94,32 +117,25 @@ def _cmd_model(args: argparse.Namespace) -> None:
     print(path)
 
 
-def _open_target(args: argparse.Namespace):
-    from target_actor.checkpoint import resolve_target
-    from target_actor.runner import TargetSpec
-    from target_actor.worker import LocalTarget, TargetGroup
+def _engine_options(args: argparse.Namespace):
+    from .backends import EngineOptions
 
-    spec = TargetSpec(str(resolve_target(args.target)), dtype=args.dtype)
-    if args.tp == 1:
-        return LocalTarget(spec), spec
-    import ray
-
-    from target_actor.config import ModelConfig
-
-    ModelConfig.from_pretrained(spec.path).check_tp(args.tp)  # before starting Ray
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, args.tp + 1),
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
+    return EngineOptions(
+        target=args.target,
+        tp=args.tp,
+        dtype=args.dtype,
+        mode=getattr(args, "mode", "ar"),
+        drafter=getattr(args, "drafter", None),
+        k=getattr(args, "k", None),
+        carry=not getattr(args, "no_carry", False),
+        backend=getattr(args, "backend", "local"),
     )
-    return TargetGroup(spec, args.tp), spec
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
-    from .plain import generate_plain
+    from .backends import build_engine
+    from .generate import generate_one
     from .sampling import SamplingParams
-    from .tokenizer import Tokenizer
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -129,24 +145,26 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         seed=args.seed,
         stop=args.stop,
     )
-    target, spec = _open_target(args)
+    engine, close = build_engine(_engine_options(args))
     try:
-        tok = Tokenizer(spec.path)
+        tok = engine.tok
         ids = (
             tok.encode_chat([{"role": "user", "content": args.prompt}])
             if args.chat
             else tok.encode(args.prompt)
         )
-        result = generate_plain(target, tok, ids, params)
+        result = generate_one(engine, ids, params)
     finally:
-        target.shutdown()
+        close()
     if args.json:
         print(json.dumps(result.to_json()))
     else:
         print(result.text)
         print(
-            f"[{result.num_generated_tokens} tokens, {result.tokens_per_s:.1f} tok/s, "
-            f"{result.finish_reason}]",
+            f"[{result.mode}, {result.num_generated_tokens} tokens, {result.tokens_per_s:.1f} tok/s, "
+            f"tau {result.mean_accepted_length:.2f}, {result.finish_reason}"
+            + (f", drafter {result.extra['drafter']}" if result.extra.get("drafter") else "")
+            + "]",
             file=sys.stderr,
         )
 
@@ -157,12 +175,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         "with the default model instead.",
         file=sys.stderr,
     )
-    args.prompt, args.chat, args.json, args.mode = (
-        "Write one sentence about Paris.",
-        True,
-        False,
-        "ar",
-    )
+    args.prompt, args.chat, args.json = "Write one sentence about Paris.", True, False
     args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop = (
         48,
         0.0,

@@ -1,9 +1,7 @@
-"""Sampling settings and the distribution a sequence actually samples from.
+"""A request's sampling settings, validated once at the boundary.
 
-``target_probs`` turns logits into the processed distribution ``p`` (temperature, then
-top-k, then top-p, renormalised). Plain decoding samples from it; the rejection sampler
-verifies drafts against exactly the same ``p``, which keeps speculative output lossless.
-Greedy (``temperature == 0``) never builds ``p``: it takes the argmax of the logits.
+The distribution they define, ``target_probs``, lives with the verifier on the target
+side (``target_actor.sampling``), where both plain steps and rejection sampling use it.
 """
 
 from __future__ import annotations
@@ -60,31 +58,3 @@ class SamplingParams:
     def generator(self) -> torch.Generator | None:
         """A private RNG for a seeded request, so its output does not depend on the batch."""
         return None if self.seed is None else torch.Generator().manual_seed(self.seed)
-
-
-def target_probs(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
-) -> torch.Tensor:
-    """``logits`` ``[n, vocab]`` -> the processed distribution ``[n, vocab]`` (fp32, sums to 1)."""
-    logits = logits.float() / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-        sorted_p = sorted_p.masked_fill(
-            before >= top_p, 0.0
-        )  # keep the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from ``logits`` ``[vocab]`` under ``params``."""
-    if params.greedy:
-        return int(logits.argmax())
-    probs = target_probs(logits.unsqueeze(0), params.temperature, params.top_k, params.top_p)
-    return int(torch.multinomial(probs[0], 1, generator=gen))

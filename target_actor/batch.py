@@ -56,3 +56,49 @@ class ForwardOutput:
     tap_hidden: torch.Tensor | None = None  # [T, L, hidden]: tapped layers' outputs
     tap_k: torch.Tensor | None = None  # [L, T, kv_heads, head_dim], post-RoPE as cached
     tap_v: torch.Tensor | None = None  # [L, T, kv_heads, head_dim]
+
+
+@dataclass
+class SeqSampling:
+    """The sampling settings the target side needs for one sequence (rank 0 samples)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class PrefillBatch:
+    """New sequences: run their prompts, sample each one's first token."""
+
+    seq_ids: list[int]
+    prompts: list[list[int]]
+    sampling: list[SeqSampling]
+    want_views: bool = True  # build the drafter's PrefillViews (spec mode)
+
+
+@dataclass
+class VerifyBatch:
+    """One round for running sequences: verify ``[anchor, d_1..d_num_draft]`` at ``position``.
+
+    ``num_draft[i] == 0`` is a plain decoding step for sequence i (no proposal used).
+    """
+
+    seq_ids: list[int]
+    anchors: list[int]  # last committed token, not yet in the target cache
+    positions: list[int]  # == committed length of the target cache
+    num_draft: list[int]  # drafts verified per sequence (<= the proposal's k)
+    want_updates: bool = True  # build the drafter's RoundUpdates (spec mode)
+
+
+@dataclass
+class StepResult:
+    """What the engine reads back from a prefill or a verify: tokens and counts only."""
+
+    committed: list[list[int]]  # per sequence: accepted drafts + the recovered/bonus token
+    num_accepted: list[int]  # per sequence: accepted drafts m (0 for prefill)

@@ -6,6 +6,7 @@ TP degree; every rank runs the same calls in the same order, so collectives line
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class TargetSpec:
     dtype: str = "float32"
     kv_cache_tokens: int = 65536  # whole-model token budget of the KV pool
     num_taps: int = DEFAULT_NUM_TAPS
+    tap_layer_ids: tuple[int, ...] | None = None  # the drafter's taps; default evenly spaced
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -57,6 +59,8 @@ class TargetRunner:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self.cfg = ModelConfig.from_pretrained(spec.path, spec.num_taps)
+        if spec.tap_layer_ids is not None:
+            self.cfg = dataclasses.replace(self.cfg, tap_layer_ids=tuple(spec.tap_layer_ids))
         self.cfg.check_tp(self.tp.world)
         dtype = DTYPES[spec.dtype]
         t0 = time.perf_counter()

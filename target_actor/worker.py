@@ -15,10 +15,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .batch import ForwardBatch, ForwardOutput
+from .batch import ForwardBatch, ForwardOutput, PrefillBatch, StepResult, VerifyBatch
 from .config import ModelConfig
 from .parallel import init_distributed
 from .runner import TargetRunner, TargetSpec
+from .verifier import Verifier
 
 
 def _free_port() -> int:
@@ -32,28 +33,39 @@ class TargetWorker:
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
-        self.runner: TargetRunner | None = None
+        self.verifier: Verifier | None = None
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's node address and a free port on it, for the process group."""
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, spec: TargetSpec, master_addr: str, master_port: int) -> ModelConfig:
+    def setup(
+        self, spec: TargetSpec, master_addr: str, master_port: int, window: int
+    ) -> ModelConfig:
         tp = init_distributed(self.rank, self.world, master_addr, master_port)
-        self.runner = TargetRunner(spec, tp)
-        return self.runner.cfg
+        self.verifier = Verifier(TargetRunner(spec, tp), window)
+        return self.verifier.cfg
 
     def call(self, method: str, *args: Any) -> Any:
-        """Run one runner method (``forward``, ``free``, ``kv_stats``...)."""
-        result = getattr(self.runner, method)(*args)
+        """Run one verifier method (``forward``, ``free``, ``kv_stats``...)."""
+        result = getattr(self.verifier, method)(*args)
         return result if self.rank == 0 else None
+
+    def call_pair(self, method: str, *args: Any) -> tuple[Any, Any]:
+        """``prefill`` / ``verify``: (small result for the engine, views/updates for the drafter)."""
+        return getattr(self.verifier, method)(*args)
 
 
 class TargetGroup:
     """N target ranks on Ray; ``call`` runs a runner method on all, returns rank 0's result."""
 
     def __init__(
-        self, spec: TargetSpec, tp: int, cpus_per_rank: float = 1.0, gpus_per_rank: float = 0.0
+        self,
+        spec: TargetSpec,
+        tp: int,
+        cpus_per_rank: float = 1.0,
+        gpus_per_rank: float = 0.0,
+        window: int = 256,
     ) -> None:
         ModelConfig.from_pretrained(spec.path, spec.num_taps).check_tp(tp)  # fail before Ray work
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
@@ -74,12 +86,27 @@ class TargetGroup:
             for rank in range(tp)
         ]
         addr, port = ray.get(self.workers[0].rendezvous.remote())
-        self.cfg: ModelConfig = ray.get([w.setup.remote(spec, addr, port) for w in self.workers])[0]
+        setups = [w.setup.remote(spec, addr, port, window) for w in self.workers]
+        self.cfg: ModelConfig = ray.get(setups)[0]
 
-    def call_async(self, method: str, *args: Any) -> ray.ObjectRef:
-        """Same call on every rank; the returned ref is rank 0's result."""
-        refs = [w.call.remote(method, *args) for w in self.workers]
-        return refs[0]
+    def call_pair(self, method: str, *args: Any) -> tuple[Any, ray.ObjectRef]:
+        """Same call on every rank; rank 0's small result is fetched, its big one stays a ref."""
+        pairs = [w.call_pair.options(num_returns=2).remote(method, *args) for w in self.workers]
+        small = ray.get([p[0] for p in pairs])[0]
+        return small, pairs[0][1]
+
+    def prefill(self, batch: PrefillBatch) -> tuple[StepResult, ray.ObjectRef]:
+        return self.call_pair("prefill", batch)
+
+    def verify(self, batch: VerifyBatch, proposal: Any) -> tuple[StepResult, ray.ObjectRef]:
+        return self.call_pair("verify", batch, proposal)
+
+    def set_summary_queries(self, g: Any) -> None:
+        self.call("set_summary_queries", g)
+
+    def kv_capacity_tokens(self) -> int:
+        stats = self.kv_stats()
+        return stats["total_blocks"] * stats["block_size"]
 
     def call(self, method: str, *args: Any) -> Any:
         refs = [w.call.remote(method, *args) for w in self.workers]
@@ -103,21 +130,33 @@ class TargetGroup:
 class LocalTarget:
     """TP=1 in this process, with ``TargetGroup``'s interface."""
 
-    def __init__(self, spec: TargetSpec) -> None:
-        self.runner = TargetRunner(spec)
-        self.cfg = self.runner.cfg
+    def __init__(self, spec: TargetSpec, window: int = 256) -> None:
+        self.verifier = Verifier(TargetRunner(spec), window)
+        self.runner, self.cfg = self.verifier.runner, self.verifier.cfg
 
     def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.runner, method)(*args)
+        return getattr(self.verifier, method)(*args)
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         return self.runner.forward(batch)
 
+    def prefill(self, batch: PrefillBatch) -> tuple[StepResult, Any]:
+        return self.verifier.prefill(batch)
+
+    def verify(self, batch: VerifyBatch, proposal: Any) -> tuple[StepResult, Any]:
+        return self.verifier.verify(batch, proposal)
+
+    def set_summary_queries(self, g: Any) -> None:
+        self.verifier.set_summary_queries(g)
+
     def free(self, seq_ids: list[int]) -> None:
-        self.runner.free(seq_ids)
+        self.verifier.free(seq_ids)
 
     def kv_stats(self) -> dict[str, int]:
         return self.runner.kv_stats()
+
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.cache.total_blocks * self.runner.cache.block_size
 
     def shutdown(self) -> None:
         pass

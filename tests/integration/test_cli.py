@@ -15,21 +15,39 @@ pytestmark = pytest.mark.slow
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
-        timeout=300, env={**os.environ, **(env or {})},
+        [sys.executable, "-m", "services.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
     )
 
 
 def test_generate_paris_matches_transformers(smollm2_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    proc = run_cli("generate", "--mode", "ar", "--prompt", "The capital of France is",
-                   "--max-tokens", "8", "--json")
+    proc = run_cli(
+        "generate",
+        "--mode",
+        "ar",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert "Paris" in out["text"]
-    for key in ("text", "token_ids", "num_prompt_tokens", "num_generated_tokens", "mode",
-                "elapsed_s", "tokens_per_s"):
+    for key in (
+        "text",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_generated_tokens",
+        "mode",
+        "elapsed_s",
+        "tokens_per_s",
+    ):
         assert key in out
     assert out["mode"] == "ar" and out["num_generated_tokens"] == len(out["token_ids"])
 
@@ -38,7 +56,7 @@ def test_generate_paris_matches_transformers(smollm2_path):
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     assert out["num_prompt_tokens"] == ids.shape[1]
     with torch.inference_mode():
-        ref = model.generate(ids, do_sample=False, max_new_tokens=8)[0, ids.shape[1]:].tolist()
+        ref = model.generate(ids, do_sample=False, max_new_tokens=8)[0, ids.shape[1] :].tolist()
     assert out["token_ids"] == ref
 
 
@@ -48,19 +66,29 @@ def test_model_path_prints_the_folder(smollm2_path):
 
 
 def test_chat_generation_uses_template(smollm2_path):
-    proc = run_cli("generate", "--chat", "--prompt", "What is the capital of France?",
-                   "--max-tokens", "12", "--json")
+    proc = run_cli(
+        "generate",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "12",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in json.loads(proc.stdout)["text"]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--max-tokens", "-3"], "must be a positive integer"),
-    (["--target", "/nonexistent/model"], "no config.json"),
-    (["--tp", "2"], "does not divide"),
-    (["--temperature", "-1"], "temperature"),
-    (["--prompt2", "x"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--max-tokens", "-3"], "must be a positive integer"),
+        (["--target", "/nonexistent/model"], "no config.json"),
+        (["--tp", "2"], "does not divide"),
+        (["--temperature", "-1"], "temperature"),
+        (["--prompt2", "x"], "unrecognized arguments"),
+    ],
+)
 def test_bad_input_is_one_line_error(smollm2_path, args, message):
     proc = run_cli("generate", "--prompt", "hi", *args)
     assert proc.returncode != 0

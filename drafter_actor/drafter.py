@@ -1,0 +1,241 @@
+"""The LongSpark drafter: per-sequence fixed-size views and one batched block pass per round.
+
+``propose`` first applies each request's last-round result (the committed rows go into
+the window and the summary, the boundary is replaced, the rejected positions become the
+carry rows), then drafts every sequence in ONE block pass. Every sequence's context has
+the same fixed layout ``[window (W) ; boundary (1) ; carry (k_max)]`` plus ``R`` summary
+slots, with masks for missing rows, so a batch drafts exactly what each sequence would
+alone, and the cost does not depend on the context length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from target_actor.config import ModelConfig
+
+from .checkpoint import load_drafter_weights, load_target_head, save_drafter
+from .config import DrafterConfig, DrafterConfigError
+from .markov import sample_block
+from .messages import DraftRequest, PrefillViews, Proposal, RoundUpdate
+from .network import DrafterNetwork, LayerContext
+from .state import DrafterStateError, SequenceState
+
+
+def draw_uniforms(
+    generators: list[torch.Generator], temperature: torch.Tensor, k: int
+) -> torch.Tensor:
+    """``[n, k]`` uniforms, each row from its sequence's own generator (zeros when greedy)."""
+    rows = [
+        torch.rand(k, generator=g) if t > 0 else torch.zeros(k)
+        for g, t in zip(generators, temperature.tolist(), strict=True)
+    ]
+    return torch.stack(rows)
+
+
+def draft_block(
+    net: DrafterNetwork,
+    requests: list[DraftRequest],
+    generators: list[torch.Generator],
+    contexts: list[LayerContext],
+    k: int,
+) -> Proposal:
+    """One parallel block pass over ``contexts``, then Markov-corrected sampling of k slots."""
+    anchors = torch.tensor([r.anchor for r in requests])  # [n]
+    start = torch.tensor([r.position for r in requests])  # [n]
+    temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
+    positions = start.unsqueeze(1) + torch.arange(k + 1)  # [n, k+1]: anchor at `position`
+    h = net(net.embed_block(anchors, k), positions, contexts)  # [n, k+1, d]
+    base = net.logits(h[:, 1:])  # [n, k, V_d]: MASK slot i predicts the token at position+i
+    uniforms = draw_uniforms(generators, temperature, k)  # [n, k]
+    tokens, q_ids, q_probs = sample_block(
+        base, net.to_draft_ids(anchors), net.markov, temperature, uniforms, net.cfg.proposal_support
+    )
+    return Proposal(tokens=net.d2t[tokens], q_ids=net.d2t[q_ids], q_probs=q_probs)
+
+
+def check_requests(requests: list[DraftRequest], k: int, cfg: DrafterConfig) -> None:
+    if not 1 <= k <= cfg.block_size:
+        raise DrafterStateError(f"k={k} outside 1..block_size={cfg.block_size}")
+    if len({r.seq_id for r in requests}) != len(requests):
+        raise DrafterStateError("a sequence may appear only once per propose call")
+    vocab = cfg.target.vocab_size
+    for r in requests:
+        if not 0 <= r.anchor < vocab:
+            raise DrafterStateError(
+                f"sequence {r.seq_id}: anchor {r.anchor} outside 0..{vocab - 1}"
+            )
+
+
+class Drafter:
+    """LongSpark drafter: batched ``prefill`` / ``propose`` / ``free`` over per-sequence views."""
+
+    def __init__(self, net: DrafterNetwork, seed: int = 0) -> None:
+        self.net = net.eval().requires_grad_(False)
+        self.cfg = net.cfg
+        self.scale = self.cfg.target.head_dim**-0.5
+        self.states: dict[int, SequenceState] = {}
+        self._seeds = torch.Generator().manual_seed(seed)  # seeds unseeded sequences
+
+    # -- construction ------------------------------------------------------------------
+
+    @classmethod
+    def random(
+        cls,
+        target_dir: str | Path,
+        config: DrafterConfig | None = None,
+        seed: int = 0,
+        init_std: float = 0.02,
+        d2t: torch.Tensor | None = None,
+    ) -> Drafter:
+        """A randomly initialised drafter for the target at ``target_dir``.
+
+        With a reduced draft vocabulary, ``d2t`` (sorted target ids) defaults to the
+        first ``draft_vocab_size`` ids. ``init_std`` scales the random weights (tests use
+        larger ones, so that drafts vary from slot to slot).
+        """
+        target = ModelConfig.from_pretrained(target_dir)
+        cfg = config or DrafterConfig.for_target(target)
+        net = DrafterNetwork(cfg, target)
+        net.init_random(seed, init_std)
+        net.set_target_weights(*load_target_head(target_dir, target), d2t)
+        return cls(net, seed)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        drafter_dir: str | Path,
+        target_dir: str | Path,
+        carry: bool | None = None,
+        seed: int = 0,
+    ) -> Drafter:
+        """Load a saved drafter; ``carry`` overrides the checkpoint's carryover flag."""
+        cfg, weights = load_drafter_weights(drafter_dir)
+        target = ModelConfig.from_pretrained(target_dir)
+        if carry is not None:
+            cfg = dataclasses.replace(cfg, carry=carry)
+        net = DrafterNetwork(cfg, target)  # checks the target fingerprint
+        try:
+            net.load_state_dict(weights)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[-1].strip()
+            raise DrafterConfigError(
+                f"{drafter_dir}: weights do not fit its config: {first}"
+            ) from None
+        net.set_target_weights(*load_target_head(target_dir, target))
+        return cls(net, seed)
+
+    def save_pretrained(self, folder: str | Path, dtype: str = "float32") -> None:
+        save_drafter(folder, self.cfg, self.net.state_dict(), dtype)
+
+    # -- the engine's calls ------------------------------------------------------------
+
+    def summary_queries(self) -> torch.Tensor:
+        """``G`` ``[L, H, R, hd]`` fp32, for the target-side prefill summary."""
+        return self.net.summary_queries.detach().float().clone()
+
+    def prefill(self, views: list[PrefillViews]) -> None:
+        """Start (or restart) sequences from the views the target built for their prompts."""
+        for v in views:
+            gen = self._generator(v.seed)
+            self.states[v.seq_id] = SequenceState.from_prefill(v, self.cfg, gen, self.dtype)
+
+    @torch.no_grad()
+    def propose(
+        self, requests: list[DraftRequest], k: int, updates: list[RoundUpdate] | None = None
+    ) -> Proposal:
+        """Apply the last round's updates, then draft ``k`` tokens for all in one block pass.
+
+        Updates come with each request (``DraftRequest.update``) or, straight from the
+        target's verify, as ``updates`` (matched by ``seq_id``; those of sequences freed
+        since are dropped).
+        """
+        check_requests(requests, k, self.cfg)
+        self.apply_updates(updates or [])
+        if not requests:
+            empty = torch.zeros(0, k, self.cfg.proposal_support)
+            return Proposal(empty[..., 0].long(), empty.long(), empty)
+        states = [self._advance(r) for r in requests]
+        contexts = self._contexts(states)
+        return draft_block(self.net, requests, [s.generator for s in states], contexts, k)
+
+    @torch.no_grad()
+    def apply_updates(self, updates: list[RoundUpdate]) -> None:
+        """Apply round updates of live sequences; updates of freed sequences are dropped."""
+        for u in updates:
+            if u.seq_id in self.states:
+                self._apply(self.states[u.seq_id], u)
+
+    def free(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.states.pop(seq_id, None)
+
+    def num_states(self) -> int:
+        return len(self.states)
+
+    def state(self, seq_id: int) -> SequenceState:
+        if seq_id not in self.states:
+            raise DrafterStateError(f"unknown sequence {seq_id} (not prefilled or freed)")
+        return self.states[seq_id]
+
+    def state_bytes(self, seq_id: int) -> int:
+        return self.state(seq_id).state_bytes()
+
+    # -- internals ---------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.net.fuse_proj.weight.dtype
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        """A sequence's own sampler: seeded by the request, else from the drafter's seed."""
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), generator=self._seeds))
+        return torch.Generator().manual_seed(seed)
+
+    def _apply(self, state: SequenceState, update: RoundUpdate) -> None:
+        state.apply(update, self.net.summary_queries, self.scale, self.cfg.carry)
+
+    def _advance(self, r: DraftRequest) -> SequenceState:
+        """Apply ``r.update`` to the sequence's views and check the block position."""
+        state = self.state(r.seq_id)
+        if r.update is not None:
+            self._apply(state, r.update)
+        if r.position != state.length:
+            raise DrafterStateError(
+                f"sequence {r.seq_id}: drafting at position {r.position}, "
+                f"but its views cover {state.length} tokens"
+            )
+        return state
+
+    def _contexts(self, states: list[SequenceState]) -> list[LayerContext]:
+        """Stack the sequences' views into each layer's fixed-layout context."""
+        net, L = self.net, self.cfg.num_layers
+        length = torch.tensor([s.length for s in states])  # [n]
+        feats = net.fuse(torch.stack([s.boundary for s in states])).unsqueeze(1)  # [n, 1, d]
+        pos = (length - 1).unsqueeze(1)  # [n, 1]: the boundary position
+        mask = torch.ones(len(states), 1, dtype=torch.bool)
+        if self.cfg.carry:
+            carry = net.carry_features(torch.stack([s.carry for s in states]))  # [n, k_max, d]
+            feats = torch.cat([feats, carry], 1)
+            pos = torch.cat([pos, length.unsqueeze(1) + torch.arange(carry.shape[1])], 1)
+            mask = torch.cat([mask, torch.stack([s.carry_mask() for s in states])], 1)
+        rows = net.project_context(feats, pos)  # L x [n, H_kv, 1 + k_max, hd]
+        window_k = torch.stack([s.window_k for s in states])  # [n, L, H_kv, W, hd]
+        window_v = torch.stack([s.window_v for s in states])
+        mask = torch.cat([torch.stack([s.window_mask() for s in states]), mask], 1)  # [n, C]
+        summary_m = torch.stack([s.summary_m for s in states])  # [n, L, H, R, hd]
+        summary_mask = ~torch.isneginf(torch.stack([s.summary_lam for s in states]))
+        return [
+            LayerContext(
+                k=torch.cat([window_k[:, i], rows[i][0]], 2),  # [n, H_kv, W + 1 + k_max, hd]
+                v=torch.cat([window_v[:, i], rows[i][1]], 2),
+                mask=mask,
+                summary_m=summary_m[:, i],
+                summary_mask=summary_mask[:, i],
+            )
+            for i in range(L)
+        ]

@@ -1,0 +1,73 @@
+"""The Markov head (DSpark): a low-rank first-order correction, and block sampling with it.
+
+The backbone gives base logits for all ``k`` slots at once; the head then adds, slot by
+slot, ``B(x_{i-1}, ·) = W1[x_{i-1}] W2`` where ``x_{i-1}`` is the token drafted just before
+(the anchor for slot 1). Each slot is drawn from the proposal ``q``: greedy (one-hot at
+the argmax) or the drafter distribution ``softmax(logits / T)`` truncated to its top
+``K_q`` entries and renormalised. ``q`` is returned exactly, so verification stays
+lossless whatever the drafter.
+
+Ids here are draft-vocabulary ids (``0..V_d-1``); a previous token outside the draft
+vocabulary (only the anchor can be) uses the extra row ``V_d`` of ``W1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab: int, rank: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(vocab + 1, rank))  # [V_d + 1, r]; last: out of vocab
+        self.w2 = nn.Parameter(torch.zeros(rank, vocab))  # [r, V_d]
+
+    def forward(self, prev: torch.Tensor) -> torch.Tensor:
+        """Transition bias ``[..., V_d]`` for previous draft ids ``prev`` ``[...]``."""
+        return F.embedding(prev, self.w1) @ self.w2
+
+    def teacher_forced(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Corrected logits ``[n, k, V_d]`` given the true previous tokens ``prev`` ``[n, k]``."""
+        return base + self(prev)
+
+
+def sample_block(
+    base: torch.Tensor,
+    anchor: torch.Tensor,
+    head: MarkovHead,
+    temperature: torch.Tensor,
+    uniforms: torch.Tensor,
+    support: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft ``k`` tokens left to right, vectorised over the batch.
+
+    Args:
+        base: ``[n, k, V_d]`` base logits of the k MASK slots.
+        anchor: ``[n]`` draft id of each block's anchor (``V_d`` if outside the vocab).
+        temperature: ``[n]``; ``<= 0`` drafts greedily.
+        uniforms: ``[n, k]`` in ``[0, 1)``, drawn from each sequence's own generator.
+        support: ``K_q``.
+
+    Returns:
+        draft tokens ``[n, k]``, and the proposal ``q`` as ids ``[n, k, K_q]`` and
+        probabilities ``[n, k, K_q]`` (fp32, rows sum to 1, the drawn token in each row).
+    """
+    n, k, _ = base.shape
+    greedy = (temperature <= 0).unsqueeze(-1)  # [n, 1]
+    inv_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).reciprocal()
+    one_hot = torch.zeros(n, support, dtype=torch.float32, device=base.device)
+    one_hot[:, 0] = 1.0
+    prev, tokens, q_ids, q_probs = anchor, [], [], []
+    for i in range(k):
+        logits = (base[:, i] + head(prev)).float() * inv_t.unsqueeze(-1)  # [n, V_d]
+        top, ids = logits.topk(support, dim=-1)  # [n, K_q], sorted: ids[:, 0] is the argmax
+        probs = torch.where(greedy, one_hot, torch.softmax(top, dim=-1))
+        cdf = probs.cumsum(-1)  # inverse CDF never lands on a zero-probability entry
+        pick = torch.searchsorted(cdf, uniforms[:, i : i + 1] * cdf[:, -1:], right=True)
+        prev = ids.gather(-1, pick.clamp_max(support - 1)).squeeze(-1)  # [n]
+        tokens.append(prev)
+        q_ids.append(ids)
+        q_probs.append(probs)
+    return torch.stack(tokens, 1), torch.stack(q_ids, 1), torch.stack(q_probs, 1)

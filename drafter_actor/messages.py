@@ -1,0 +1,66 @@
+"""The messages between target and drafter: the one contract both actors share.
+
+The target side builds ``PrefillViews`` (once per sequence) and ``RoundUpdate`` (every
+round); the drafter consumes them. Every tensor here is fixed-size in the context length
+``t``: at most ``W`` window rows, ``R`` summary slots, ``k`` rejected rows.
+
+Notation: ``L`` tapped layers, ``d`` hidden size, ``H`` query heads, ``H_kv`` KV heads,
+``hd`` head_dim, ``W`` window rows, ``R`` summary slots, ``k`` draft tokens, ``K_q``
+proposal support. Keys are stored post-RoPE, exactly as the target caches them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillViews:
+    """A new sequence's three views after the target prefilled its prompt."""
+
+    seq_id: int
+    length: int  # committed tokens in the target cache (positions 0..length-1)
+    window_k: torch.Tensor  # [L, w, H_kv, hd], w = min(W, length): rows length-w..length-1
+    window_v: torch.Tensor  # [L, w, H_kv, hd]
+    summary_m: torch.Tensor  # [L, H, R, hd] fp32: attention outputs of G over rows 0..length-1
+    summary_lam: torch.Tensor  # [L, H, R] fp32: their log-normalisers
+    boundary: torch.Tensor  # [L, d]: tapped hidden states at position length-1
+    seed: int | None = None  # seeds the drafter's own sampler for this sequence
+
+
+@dataclass
+class RoundUpdate:
+    """What one verification round hands the drafter for one sequence.
+
+    The round verified ``[x_t, d_1..d_k]`` at positions ``t..t+k`` and accepted ``m``
+    drafts; rows ``t..t+m`` are committed, the rest were rolled back.
+    """
+
+    seq_id: int
+    length: int  # committed rows after the round: t + m + 1
+    committed_k: torch.Tensor  # [L, m+1, H_kv, hd]: rows t..t+m
+    committed_v: torch.Tensor  # [L, m+1, H_kv, hd]
+    boundary: torch.Tensor  # [L, d]: tapped hidden states at t+m
+    rejected: torch.Tensor  # [k-m, L, d]: tapped hidden states at t+m+1..t+k (may be empty)
+
+
+@dataclass
+class DraftRequest:
+    """One sequence's part of a ``propose`` call."""
+
+    seq_id: int
+    anchor: int  # the last committed token, not yet in the target cache
+    position: int  # its absolute position (== committed length of the target cache)
+    temperature: float = 0.0  # 0: greedy drafting (one-hot proposal)
+    update: RoundUpdate | None = None  # the last round's result, applied before drafting
+
+
+@dataclass
+class Proposal:
+    """Draft tokens and the exact proposal distribution each was sampled from."""
+
+    tokens: torch.Tensor  # [n, k] int64
+    q_ids: torch.Tensor  # [n, k, K_q] int64: support of q at each slot
+    q_probs: torch.Tensor  # [n, k, K_q] fp32: q on that support, rows sum to 1

@@ -1,0 +1,234 @@
+"""The drafter network: one layer per tapped target layer, a block pass over read-only context.
+
+Drafter layer ``l`` is paired with tapped target layer ``l`` and has the target's attention
+geometry (``H`` query heads, ``H_kv`` KV heads, ``hd``, RoPE), so the target's own K/V rows
+(the window) are attended to as they are. Each layer attends, non-causally, over
+
+    K = [context rows ; G ; block],   V = [context rows ; M ; block]
+
+where the context rows (``LayerContext``) are whatever the caller assembled (LongSpark:
+boundary, window and carry rows; the full-prefix baseline: every prefix row and carry),
+``G`` ``[H, R, hd]`` are the layer's summary queries acting as keys (no RoPE) with the
+summary ``M`` as values, and the block is ``[anchor, MASK x k]`` itself. Order does not
+matter to attention; masks mark missing rows.
+
+``forward`` is a pure function of (block embeddings, positions, per-layer context), with
+no per-sequence state, so training can build contexts at many anchors in parallel.
+
+Keys everywhere are post-RoPE at their absolute positions: the target's window keys as
+cached, and the drafter's own boundary / carry / block keys rotated here. Training must
+build its views the same way.
+
+The token embedding and the LM head are the target's (frozen buffers, never saved);
+``d2t`` (sorted target ids of the draft vocabulary) slices the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from target_actor.config import ModelConfig
+from target_actor.model import rms_norm
+from target_actor.rope import RotaryTable, apply_rope
+
+from .config import DrafterConfig
+from .markov import MarkovHead
+
+
+@dataclass
+class LayerContext:
+    """One drafter layer's read-only context: every row it attends to except the block."""
+
+    k: torch.Tensor  # [N, H_kv, C, hd]: keys, post-RoPE (target key space for the window)
+    v: torch.Tensor  # [N, H_kv, C, hd]
+    mask: torch.Tensor  # [N, C] bool: True where a row is present
+    summary_m: torch.Tensor | None = None  # [N, H, R, hd]: values for the summary keys G
+    summary_mask: torch.Tensor | None = None  # [N, H, R] bool: False for an empty slot
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` ``[N, S, heads, hd]`` with ``cos``/``sin`` ``[N, S, hd]``."""
+    cos, sin = cos.to(x.dtype).flatten(0, 1), sin.to(x.dtype).flatten(0, 1)
+    return apply_rope(x.flatten(0, 1), cos, sin).view_as(x)
+
+
+class DrafterLayer(nn.Module):
+    """A pre-norm decoder layer whose attention reads a context plus the block."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        t = cfg.target
+        d, hd, self.eps = t.hidden_size, t.head_dim, cfg.rms_norm_eps
+        self.heads, self.kv_heads, self.head_dim = t.num_heads, t.num_kv_heads, hd
+        self.group = self.heads // self.kv_heads
+        self.input_norm = nn.Parameter(torch.ones(d))
+        self.q_proj = nn.Linear(d, self.heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * hd, bias=False)
+        self.q_norm = nn.Parameter(torch.ones(hd)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(hd)) if cfg.qk_norm else None
+        self.o_proj = nn.Linear(self.heads * hd, d, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(d))
+        self.gate_up = nn.Linear(d, 2 * cfg.mlp_width, bias=False)
+        self.down = nn.Linear(cfg.mlp_width, d, bias=False)
+        self.scale = hd**-0.5
+
+    def kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[N, H_kv, C, hd]`` of features ``x`` ``[N, C, d]`` (RoPE'd)."""
+        N, C, _ = x.shape
+        k = self.k_proj(x).view(N, C, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(N, C, self.kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = rms_norm(k, self.k_norm, self.eps)
+        return _rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: LayerContext,
+        g: torch.Tensor,
+    ) -> torch.Tensor:
+        """``h`` ``[N, S, d]`` (the block) -> new ``h``; ``g`` ``[H, R, hd]`` the summary keys."""
+        N, S, _ = h.shape
+        Hkv, G, hd = self.kv_heads, self.group, self.head_dim
+        x = rms_norm(h, self.input_norm, self.eps)
+        q = self.q_proj(x).view(N, S, self.heads, hd)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+        q = _rope(q, cos, sin)
+        kb, vb = self.kv(x, cos, sin)  # the block's own rows: [N, H_kv, S, hd]
+        # query head h = j * G + g reads KV head j: [N, H_kv, G * S, hd]
+        qg = q.view(N, S, Hkv, G, hd).permute(0, 2, 3, 1, 4).reshape(N, Hkv, G * S, hd)
+
+        no = float("-inf")
+        scores = [
+            (qg @ ctx.k.transpose(-1, -2)).masked_fill(~ctx.mask[:, None, None, :], no),
+            qg @ kb.transpose(-1, -2),
+        ]  # [N, H_kv, G * S, C] and [N, H_kv, G * S, S]
+        if ctx.summary_m is not None:
+            s = torch.einsum(
+                "njgsd,jgrd->njgsr", qg.view(N, Hkv, G, S, hd), g.reshape(Hkv, G, -1, hd)
+            )  # the summary keys are G itself, without RoPE
+            if ctx.summary_mask is not None:
+                s = s.masked_fill(~ctx.summary_mask.reshape(N, Hkv, G, 1, -1), no)
+            scores.append(s.reshape(N, Hkv, G * S, -1))  # [N, H_kv, G * S, R]
+        sizes = [s.shape[-1] for s in scores]
+        p = torch.softmax(torch.cat(scores, -1).float() * self.scale, -1).to(q.dtype)
+        p = p.split(sizes, -1)
+        out = p[0] @ ctx.v + p[1] @ vb  # [N, H_kv, G * S, hd]
+        if ctx.summary_m is not None:
+            m = ctx.summary_m.to(q.dtype).reshape(N, Hkv, G, -1, hd)
+            p_sum = p[2].reshape(N, Hkv, G, S, -1)
+            out = out + torch.einsum("njgsr,njgrd->njgsd", p_sum, m).reshape(N, Hkv, G * S, hd)
+        out = out.view(N, Hkv, G, S, hd).permute(0, 3, 1, 2, 4).reshape(N, S, -1)
+        h = h + self.o_proj(out)
+        gate, up = self.gate_up(rms_norm(h, self.post_norm, self.eps)).chunk(2, -1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class DrafterNetwork(nn.Module):
+    """All drafter-owned weights plus the target's frozen embedding and LM head."""
+
+    def __init__(self, cfg: DrafterConfig, target: ModelConfig) -> None:
+        super().__init__()
+        cfg.check_target(target)
+        self.cfg = cfg
+        t, L = cfg.target, cfg.num_layers
+        d, H, R, hd = t.hidden_size, t.num_heads, cfg.summary_slots, t.head_dim
+        self.fuse_proj = nn.Linear(L * d, d, bias=False)  # F: L*d -> d, then RMSNorm
+        self.fuse_norm = nn.Parameter(torch.ones(d))
+        self.mask_embedding = nn.Parameter(torch.zeros(d))  # the MASK slots' input
+        self.carry_embedding = nn.Parameter(torch.zeros(L * d))  # E_carry
+        self.summary_queries = nn.Parameter(torch.zeros(L, H, R, hd))  # G
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(L))
+        self.norm = nn.Parameter(torch.ones(d))
+        self.markov = MarkovHead(cfg.draft_vocab_size, cfg.markov_rank)
+        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size))  # [V_d] sorted target ids
+        # the target's, frozen and not saved:
+        self.register_buffer("t2d", torch.arange(t.vocab_size), persistent=False)  # [V]
+        self.register_buffer("embed", torch.zeros(t.vocab_size, d), persistent=False)
+        self.register_buffer("lm_head", torch.zeros(cfg.draft_vocab_size, d), persistent=False)
+        self.rope = RotaryTable(target)
+
+    # -- weights ------------------------------------------------------------------------
+
+    def init_random(self, seed: int, std: float = 0.02) -> None:
+        """Random drafter-owned weights (a random drafter still drafts, just badly)."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                elif name == "summary_queries":  # scores of O(1) against the target's keys
+                    p.copy_(torch.randn(p.shape, generator=gen))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def set_target_weights(
+        self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor | None = None
+    ) -> None:
+        """Install the target's embedding ``[V, d]`` and LM head ``[V, d]`` (sliced to ``d2t``)."""
+        V = self.cfg.target.vocab_size
+        d2t = self.d2t if d2t is None else d2t.to(torch.long)
+        if d2t.shape != (self.cfg.draft_vocab_size,) or not bool((d2t[1:] > d2t[:-1]).all()):
+            raise ValueError("d2t must be a strictly increasing list of draft_vocab_size ids")
+        if int(d2t[0]) < 0 or int(d2t[-1]) >= V:
+            raise ValueError(f"d2t ids must lie in 0..{V - 1}")
+        dtype = self.fuse_proj.weight.dtype
+        self.d2t = d2t.clone()
+        self.t2d = torch.full((V,), self.cfg.draft_vocab_size, dtype=torch.long)
+        self.t2d[d2t] = torch.arange(len(d2t))
+        self.embed = embed.to(dtype)
+        head = lm_head if self.cfg.full_vocab else lm_head[d2t]  # full vocab: d2t == arange
+        self.lm_head = self.embed if head is embed else head.to(dtype)
+
+    # -- the pieces of a block pass -----------------------------------------------------
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """``F``: tapped hidden states ``[..., L, d]`` -> conditioning vectors ``[..., d]``."""
+        return rms_norm(self.fuse_proj(taps.flatten(-2)), self.fuse_norm, self.cfg.rms_norm_eps)
+
+    def carry_features(self, rejected: torch.Tensor) -> torch.Tensor:
+        """Rejected positions' tapped states ``[..., L, d]`` -> ``F(h + E_carry)`` ``[..., d]``."""
+        return self.fuse(rejected + self.carry_embedding.view(rejected.shape[-2:]))
+
+    def project_context(
+        self, feats: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K/V ``[N, H_kv, C, hd]`` of fused features ``[N, C, d]`` at ``positions``."""
+        cos, sin = self.rope.lookup(positions)  # [N, C, hd]
+        return [layer.kv(feats, cos, sin) for layer in self.layers]
+
+    def embed_block(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        """The block ``[anchor, MASK x k]`` ``[N, k+1, d]`` for anchors ``[N]`` (target ids)."""
+        mask = self.mask_embedding.expand(anchors.shape[0], k, -1)
+        return torch.cat([F.embedding(anchors, self.embed).unsqueeze(1), mask], 1)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, contexts: list[LayerContext]
+    ) -> torch.Tensor:
+        """Block pass: embeddings ``[N, S, d]`` at ``positions`` ``[N, S]`` -> hidden ``[N, S, d]``."""
+        cos, sin = self.rope.lookup(positions)  # [N, S, hd]
+        for layer, ctx, g in zip(self.layers, contexts, self.summary_queries, strict=True):
+            x = layer(x, cos, sin, ctx, g)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Base logits ``[..., V_d]`` over the draft vocabulary from hidden ``[..., d]``."""
+        return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft ids (``V_d`` for ids outside the draft vocabulary)."""
+        return self.t2d[tokens]
+
+    def num_parameters(self) -> int:
+        """Drafter-owned parameters (what the checkpoint stores, without ``d2t``)."""
+        return sum(p.numel() for p in self.parameters())

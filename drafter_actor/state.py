@@ -1,0 +1,142 @@
+"""One sequence's drafter state: its boundary, window, summary and carry views.
+
+Every tensor here has a size fixed by the config, never by the context length ``t``:
+``state_bytes()`` is the same at 1K and at 32K tokens. The round update is ``O(k)``:
+append the committed K/V rows to the window ring, merge them into the summary, replace
+the boundary, replace the carry rows with the rejected positions' hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import DrafterConfig
+from .messages import PrefillViews, RoundUpdate
+from .summary import update_summary
+
+
+class DrafterStateError(ValueError):
+    """A request does not fit the drafter's state (unknown sequence, wrong position)."""
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class SequenceState:
+    """The views of one sequence with ``length`` committed tokens (positions 0..length-1)."""
+
+    seq_id: int
+    length: int
+    window_k: torch.Tensor  # [L, H_kv, W, hd] ring: position p in slot p % W (post-RoPE)
+    window_v: torch.Tensor  # [L, H_kv, W, hd]
+    summary_m: torch.Tensor  # [L, H, R, hd] fp32
+    summary_lam: torch.Tensor  # [L, H, R] fp32
+    boundary: torch.Tensor  # [L, d]: tapped hidden states at position length-1
+    carry: torch.Tensor  # [k_max, L, d]: rejected states at length..length+carry_len-1
+    carry_len: int
+    generator: torch.Generator  # the sequence's own sampler
+
+    @classmethod
+    def from_prefill(
+        cls, views: PrefillViews, cfg: DrafterConfig, generator: torch.Generator, dtype: torch.dtype
+    ) -> SequenceState:
+        t, L = cfg.target, cfg.num_layers
+        w = views.window_k.shape[1]
+        expect = {
+            "window_k": (L, w, t.num_kv_heads, t.head_dim),
+            "window_v": (L, w, t.num_kv_heads, t.head_dim),
+            "summary_m": (L, t.num_heads, cfg.summary_slots, t.head_dim),
+            "summary_lam": (L, t.num_heads, cfg.summary_slots),
+            "boundary": (L, t.hidden_size),
+        }
+        for name, shape in expect.items():
+            got = tuple(getattr(views, name).shape)
+            if got != shape:
+                raise DrafterStateError(f"prefill views {name} has shape {got}, expected {shape}")
+        if not 1 <= views.length or w != min(cfg.window, views.length):
+            raise DrafterStateError(
+                f"prefill views of length {views.length} carry {w} window rows, "
+                f"expected {min(cfg.window, views.length)}"
+            )
+        ring = torch.zeros(L, t.num_kv_heads, cfg.window, t.head_dim, dtype=dtype)
+        state = cls(
+            seq_id=views.seq_id,
+            length=views.length - w,
+            window_k=ring,
+            window_v=ring.clone(),
+            summary_m=views.summary_m.float().clone(),
+            summary_lam=views.summary_lam.float().clone(),
+            boundary=views.boundary.to(dtype).clone(),
+            carry=torch.zeros(cfg.block_size, L, t.hidden_size, dtype=dtype),
+            carry_len=0,
+            generator=generator,
+        )
+        state._write_window(views.window_k, views.window_v)
+        return state
+
+    def _write_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append rows ``[L, n, H_kv, hd]`` at positions ``length..length+n-1`` to the ring."""
+        W, n = self.window_k.shape[2], k.shape[1]
+        start = self.length + max(0, n - W)
+        k, v = k[:, -W:], v[:, -W:]  # rows older than the last W would be overwritten anyway
+        slots = torch.arange(start, start + k.shape[1]) % W
+        self.window_k.index_copy_(2, slots, k.transpose(1, 2).to(self.window_k.dtype))
+        self.window_v.index_copy_(2, slots, v.transpose(1, 2).to(self.window_v.dtype))
+        self.length += n
+
+    def apply(self, update: RoundUpdate, g: torch.Tensor, scale: float, carry: bool) -> None:
+        """Apply one verification round's result (committed rows, boundary, rejected)."""
+        n = update.committed_k.shape[1]
+        if update.seq_id != self.seq_id or update.length != self.length + n:
+            raise DrafterStateError(
+                f"sequence {self.seq_id}: update for {update.seq_id} with {n} committed rows "
+                f"to length {update.length} does not follow length {self.length}"
+            )
+        if update.rejected.shape[0] > self.carry.shape[0]:
+            raise DrafterStateError(
+                f"{update.rejected.shape[0]} rejected rows exceed block_size {self.carry.shape[0]}"
+            )
+        self.summary_m, self.summary_lam = update_summary(
+            self.summary_m, self.summary_lam, g, update.committed_k, update.committed_v, scale
+        )
+        self._write_window(update.committed_k, update.committed_v)
+        self.boundary.copy_(update.boundary)
+        self.carry_len = update.rejected.shape[0] if carry else 0
+        self.carry[: self.carry_len] = update.rejected[: self.carry_len]
+
+    def window_mask(self) -> torch.Tensor:
+        """``[W]`` bool: which ring slots hold a row."""
+        W = self.window_k.shape[2]
+        return torch.arange(W) < min(self.length, W)
+
+    def carry_mask(self) -> torch.Tensor:
+        """``[k_max]`` bool: which carry rows are present."""
+        return torch.arange(self.carry.shape[0]) < self.carry_len
+
+    def carry_positions(self) -> torch.Tensor:
+        """Absolute positions ``[carry_len]`` of the carry rows (the rejected positions)."""
+        return torch.arange(self.length, self.length + self.carry_len)
+
+    def state_bytes(self) -> int:
+        """Bytes of this state's tensors (fixed in the context length)."""
+        return _bytes(
+            self.window_k,
+            self.window_v,
+            self.summary_m,
+            self.summary_lam,
+            self.boundary,
+            self.carry,
+        )
+
+    @staticmethod
+    def expected_bytes(cfg: DrafterConfig, dtype_bytes: int = 4) -> int:
+        """The closed form of ``state_bytes()``: window + summary (fp32) + boundary + carry."""
+        t, L = cfg.target, cfg.num_layers
+        window = 2 * L * cfg.window * t.num_kv_heads * t.head_dim * dtype_bytes
+        summary = L * t.num_heads * cfg.summary_slots * (t.head_dim + 1) * 4
+        hidden = (1 + cfg.block_size) * L * t.hidden_size * dtype_bytes
+        return window + summary + hidden

@@ -1,0 +1,171 @@
+"""The drafter as a Ray actor, and the two handles the engine drives it through.
+
+``DrafterWorker`` is a plain class holding one :class:`Drafter` (or the full-prefix
+baseline) and every sequence's views; ``RayDrafter`` runs it as a Ray actor,
+``LocalDrafter`` in this process, with the same interface (mirroring ``TargetGroup`` /
+``LocalTarget``). The engine makes one call per round with the whole batch; the views and
+round updates it passes may be ``ObjectRef``s straight from the target, which Ray resolves
+in the actor without the engine fetching them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from target_actor.config import ModelConfig
+
+from .baseline import FullPrefixDrafter
+from .config import DrafterConfig, DrafterConfigError
+from .drafter import Drafter
+from .messages import DraftRequest, PrefillViews, Proposal, RoundUpdate
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """How to build the drafter actor."""
+
+    target_path: str
+    drafter_path: str | None = None  # None or "random": a random drafter (still lossless)
+    k: int | None = None  # block size; default: the checkpoint's (random: 15)
+    seed: int = 0
+    carry: bool | None = None  # override the checkpoint's carryover flag (ablations)
+    baseline: bool = False  # the full-prefix (DFlash-style) drafter instead of LongSpark
+    num_threads: int | None = None
+    overrides: dict[str, Any] | None = None  # DrafterConfig fields for a random drafter
+    init_std: float = 0.02  # a random drafter's weight scale
+
+
+class DrafterWorker:
+    """The drafter actor. Wrapped with ``ray.remote`` by ``RayDrafter``."""
+
+    def __init__(self, spec: DrafterSpec) -> None:
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        self.spec = spec
+        cls = FullPrefixDrafter if spec.baseline else Drafter
+        if spec.drafter_path and spec.drafter_path != "random":
+            self.drafter = cls.from_pretrained(
+                spec.drafter_path, spec.target_path, carry=spec.carry, seed=spec.seed
+            )
+        else:
+            overrides: dict[str, Any] = {"block_size": spec.k or 15, **(spec.overrides or {})}
+            if spec.carry is not None:
+                overrides["carry"] = spec.carry
+            target = ModelConfig.from_pretrained(spec.target_path)
+            config = DrafterConfig.for_target(target, **overrides)
+            self.drafter = cls.random(
+                spec.target_path, config, seed=spec.seed, init_std=spec.init_std
+            )
+        if spec.k is not None and not 1 <= spec.k <= self.drafter.cfg.block_size:
+            raise DrafterConfigError(
+                f"k={spec.k} outside 1..{self.drafter.cfg.block_size} (the drafter's block size)"
+            )
+
+    def config(self) -> DrafterConfig:
+        return self.drafter.cfg
+
+    def summary_queries(self) -> torch.Tensor:
+        return self.drafter.summary_queries()
+
+    def prefill(self, views: list[PrefillViews]) -> None:
+        self.drafter.prefill(views)
+
+    def propose(
+        self, requests: list[DraftRequest], k: int, updates: list[RoundUpdate] | None = None
+    ) -> Proposal:
+        return self.drafter.propose(requests, k, updates)
+
+    def free(self, seq_ids: list[int]) -> None:
+        self.drafter.free(seq_ids)
+
+    def num_states(self) -> int:
+        return self.drafter.num_states()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run one method by name (mirrors ``TargetWorker.call``)."""
+        return getattr(self, method)(*args)
+
+
+class LocalDrafter:
+    """The drafter in this process, with ``RayDrafter``'s interface."""
+
+    def __init__(self, target_path: str, drafter_path: str | None = None, **spec: Any) -> None:
+        self.worker = DrafterWorker(DrafterSpec(target_path, drafter_path, **spec))
+        self.cfg = self.worker.config()
+        self.k = self.worker.spec.k or self.cfg.block_size
+        self.window = self.cfg.window
+
+    def summary_queries(self) -> torch.Tensor:
+        return self.worker.summary_queries()
+
+    def prefill(self, views: list[PrefillViews]) -> None:
+        self.worker.prefill(views)
+
+    def propose(
+        self, requests: list[DraftRequest], k: int, updates: list[RoundUpdate] | None = None
+    ) -> Proposal:
+        return self.worker.propose(requests, k, updates)
+
+    def free(self, seq_ids: list[int]) -> None:
+        self.worker.free(seq_ids)
+
+    def num_states(self) -> int:
+        return self.worker.num_states()
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RayDrafter:
+    """The drafter as one Ray actor (``{"CPU": 1}`` by default, ``num_gpus`` on GPU hosts).
+
+    ``propose`` returns an ``ObjectRef`` that the target's verify call takes as it is, so
+    the proposal goes drafter -> target directly; ``prefill`` waits, so that a bad view
+    fails at admission rather than at the next round.
+    """
+
+    def __init__(
+        self,
+        target_path: str,
+        drafter_path: str | None = None,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        scheduling_strategy: Any = None,
+        **spec: Any,
+    ) -> None:
+        import ray
+
+        self._ray = ray
+        threads = max(1, int(num_cpus))
+        spec.setdefault("num_threads", threads)
+        actor_cls = ray.remote(DrafterWorker)
+        self.actor = actor_cls.options(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            scheduling_strategy=scheduling_strategy,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+        ).remote(DrafterSpec(target_path, drafter_path, **spec))
+        self.cfg: DrafterConfig = ray.get(self.actor.config.remote())
+        self.k = spec.get("k") or self.cfg.block_size
+        self.window = self.cfg.window
+
+    def summary_queries(self) -> torch.Tensor:
+        return self._ray.get(self.actor.summary_queries.remote())
+
+    def prefill(self, views: Any) -> None:
+        self._ray.get(self.actor.prefill.remote(views))
+
+    def propose(self, requests: list[DraftRequest], k: int, updates: Any = None) -> Any:
+        return self.actor.propose.remote(requests, k, updates)
+
+    def free(self, seq_ids: list[int]) -> None:
+        self.actor.free.remote(seq_ids)
+
+    def num_states(self) -> int:
+        return self._ray.get(self.actor.num_states.remote())
+
+    def shutdown(self) -> None:
+        self._ray.kill(self.actor)

@@ -1,0 +1,57 @@
+"""Engine-wide counters and timings (vLLM's spec-decode vocabulary).
+
+Plain counters here; the Serve deployment exports them to Prometheus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sequence import Sequence, SpecStats
+
+
+@dataclass
+class EngineStats:
+    rounds: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)  # summed over every sequence-round
+    num_generated_tokens: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    round_s: float = 0.0
+    finished: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    def observe_round(
+        self,
+        draft_s: float,
+        verify_s: float,
+        round_s: float,
+        num_draft: list[int],
+        num_accepted: list[int],
+    ) -> None:
+        self.rounds += 1
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        self.round_s += round_s
+        for nd, m in zip(num_draft, num_accepted, strict=True):
+            self.num_generated_tokens += m + 1
+            self.spec.observe(nd, m)
+
+    def observe_finish(self, seq: Sequence) -> None:
+        self.finished += 1
+        self.finish_reasons[seq.finish_reason] = self.finish_reasons.get(seq.finish_reason, 0) + 1
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "num_drafts": self.spec.num_drafts,
+            "num_draft_tokens": self.spec.num_draft_tokens,
+            "num_accepted_tokens": self.spec.num_accepted_tokens,
+            "accepted_per_pos": list(self.spec.accepted_per_pos),
+            "mean_accepted_length": round(self.spec.mean_accepted_length, 3),
+            "num_generated_tokens": self.num_generated_tokens,
+            "draft_ms_per_round": round(1e3 * self.draft_s / max(1, self.rounds), 3),
+            "verify_ms_per_round": round(1e3 * self.verify_s / max(1, self.rounds), 3),
+            "round_ms": round(1e3 * self.round_s / max(1, self.rounds), 3),
+        }

@@ -1,0 +1,208 @@
+"""Verify a round of draft tokens against the target: lossless speculative sampling.
+
+Vocabulary (used the same way everywhere in the project):
+
+* **draft tokens** ``d_1..d_k``: what the drafter proposed for positions ``t+1..t+k``.
+* **target** ``p``: the distribution the target model actually samples from, i.e.
+  ``target_actor.sampling.target_probs`` (temperature, top-k, top-p). Logit row ``j`` was
+  computed at position ``t+j``, so it predicts the token after it: row ``j`` verifies
+  draft ``j+1`` and row ``k`` gives the bonus token.
+* **proposal** ``q``: the distribution draft ``d_j`` was sampled from. The drafter ships
+  it sparsely (``q_probs`` on ``q_ids``, zero elsewhere); greedy drafting is one-hot.
+* **accepted** tokens: the leading drafts that pass verification, ``m`` of them.
+* **recovered** token: at the first rejection, a token sampled from
+  ``norm(max(0, p - q))`` at that slot (greedy: the target argmax there).
+* **bonus** token: after all drafts are accepted, a token sampled from ``p`` at row
+  ``num_draft`` (greedy: the target argmax there).
+
+A round commits ``m + 1`` tokens: the accepted drafts, then one **output token**
+(recovered or bonus). Draft lengths may be ragged: sequence ``i`` uses only its first
+``num_draft[i]`` slots (the rest are ignored and may hold padding such as -1), so the
+engine can shrink ``k`` per sequence. With ``num_draft == 0`` the round is a plain
+decoding step: the output token is sampled from row 0 exactly as
+``sampling.sample_next`` would, and it counts as a bonus (all zero drafts accepted).
+
+Greedy (``temperature == 0``) accepts while ``d_j == argmax(row j-1)``, which is exactly
+plain greedy decoding. Sampling accepts ``d_j`` with probability ``min(1, p(d_j) / q(d_j))``
+(Leviathan et al. 2023, Chen et al. 2023), which makes the committed tokens distributed
+exactly as the target's.
+
+Random numbers. A sequence with its own ``torch.Generator`` draws, in this order:
+``num_draft`` uniforms (one per draft slot, all drawn before any is used), then one
+``torch.multinomial`` draw for the output token. Greedy sequences draw nothing. So a
+seeded sequence's result does not depend on what else is in the batch, nor on its
+order. Sequences without a generator share the global RNG, drawn batch-wide.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from drafter_actor.messages import Proposal
+
+from .batch import SeqSampling
+from .sampling import target_probs
+
+
+@dataclass
+class RejectionResult:
+    """The outcome of one verification round for a batch of ``n`` sequences."""
+
+    num_accepted: torch.Tensor  # [n] int64: m, accepted drafts per sequence
+    output_token: torch.Tensor  # [n] int64: the recovered or bonus token
+    committed: list[list[int]]  # n lists of m + 1 tokens: accepted drafts, then output token
+    bonus: torch.Tensor  # [n] bool: every draft accepted, output token is the bonus
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,  # [n, k + 1, vocab]
+    proposal: Proposal,
+    params: list[SeqSampling],
+    generators: list[torch.Generator | None],
+    num_draft: list[int] | None = None,  # [n], each in 0..k; default k for all
+) -> RejectionResult:
+    """Accept a prefix of each sequence's drafts and sample its output token."""
+    n, k1, _ = target_logits.shape
+    k = k1 - 1
+    tokens, q_ids, q_probs = proposal.tokens, proposal.q_ids, proposal.q_probs
+    assert tokens.shape == (n, k), f"tokens {tuple(tokens.shape)} != {(n, k)}"
+    assert q_ids.ndim == 3 and q_ids.shape[:2] == (n, k), f"q_ids {tuple(q_ids.shape)}"
+    assert q_probs.shape == q_ids.shape, f"q_probs {tuple(q_probs.shape)} != q_ids"
+    assert len(params) == n and len(generators) == n
+    num_draft = [k] * n if num_draft is None else list(num_draft)
+    assert len(num_draft) == n and all(0 <= d <= k for d in num_draft), num_draft
+
+    device = target_logits.device
+    nd = torch.tensor(num_draft, dtype=torch.long, device=device)  # [n]
+    unused = torch.arange(k, device=device) >= nd[:, None]  # [n, k]: may hold padding (-1)
+    tokens = tokens.to(device).masked_fill(unused, 0)
+    q_ids = q_ids.to(device).masked_fill(unused[..., None], 0)
+    q_probs = q_probs.to(device)
+    num_accepted = torch.zeros(n, dtype=torch.long, device=device)  # [n]
+    output_token = torch.zeros(n, dtype=torch.long, device=device)  # [n]
+
+    greedy = [i for i in range(n) if params[i].greedy]
+    sampled = [i for i in range(n) if not params[i].greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=device)
+        m, out = _verify_greedy(target_logits[idx], tokens[idx], nd[idx])
+        num_accepted[idx], output_token[idx] = m, out
+    if sampled:
+        idx = torch.tensor(sampled, device=device)
+        m, out = _verify_sampled(
+            target_logits[idx],
+            tokens[idx],
+            q_ids[idx],
+            q_probs[idx],
+            nd[idx],
+            [params[i] for i in sampled],
+            [generators[i] for i in sampled],
+        )
+        num_accepted[idx], output_token[idx] = m, out
+
+    drafts, ms, outs = tokens.tolist(), num_accepted.tolist(), output_token.tolist()
+    return RejectionResult(
+        num_accepted=num_accepted,
+        output_token=output_token,
+        committed=[d[:m] + [y] for d, m, y in zip(drafts, ms, outs, strict=True)],
+        bonus=num_accepted == nd,
+    )
+
+
+def _leading_accepted(accept: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
+    """``accept`` ``[n, k]`` bool -> m ``[n]``: accepted slots before the first rejection."""
+    valid = torch.arange(accept.shape[1], device=accept.device) < nd[:, None]  # [n, k]
+    return (accept & valid).long().cumprod(-1).sum(-1)
+
+
+def _verify_greedy(
+    logits: torch.Tensor,  # [n, k + 1, vocab]
+    tokens: torch.Tensor,  # [n, k]
+    nd: torch.Tensor,  # [n]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    top = logits.argmax(-1)  # [n, k + 1]
+    m = _leading_accepted(tokens == top[:, :-1], nd)  # [n]
+    return m, top.gather(1, m[:, None]).squeeze(1)
+
+
+def _verify_sampled(
+    logits: torch.Tensor,  # [n, k + 1, vocab]
+    tokens: torch.Tensor,  # [n, k]
+    q_ids: torch.Tensor,  # [n, k, K_q]
+    q_probs: torch.Tensor,  # [n, k, K_q]
+    nd: torch.Tensor,  # [n]
+    params: list[SeqSampling],
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k1, _ = logits.shape
+    k = k1 - 1
+    rows = torch.arange(n, device=logits.device)
+    p = _processed_p(logits, params)  # [n, k + 1, vocab]
+
+    # Accept d_j with probability min(1, p(d_j) / q(d_j)), i.e. when u * q(d_j) < p(d_j).
+    u = _uniforms(n, k, nd, generators, logits.device)  # [n, k]
+    p_d = p[:, :k].gather(-1, tokens[..., None]).squeeze(-1)  # [n, k]
+    q_d = (q_probs.float() * (q_ids == tokens[..., None])).sum(-1)  # [n, k]
+    m = _leading_accepted(u * q_d < p_d, nd)  # [n]
+
+    # Output token: recovered from max(0, p - q) at slot m, or the bonus from p at row m
+    # (there q is zero, so the residual is p itself, bit for bit). multinomial normalises.
+    # A residual that is all zero means p == q at that slot; then fall back to p.
+    p_out = p[rows, m]  # [n, vocab]
+    residual = p_out
+    if k > 0:
+        slot = m.clamp(max=k - 1)
+        rejected = (m < nd).float()[:, None]  # [n, 1]
+        q_out = torch.zeros_like(p_out).scatter_add_(
+            -1, q_ids[rows, slot], q_probs[rows, slot].float() * rejected
+        )  # [n, vocab]: dense q at the rejected slot, zero for bonus rows
+        residual = (p_out - q_out).clamp_min_(0.0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_out)
+    return m, _draw(residual, generators)
+
+
+def _processed_p(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
+    """``target_probs`` for every row, one call per distinct (temperature, top_k, top_p)."""
+    n, k1, vocab = logits.shape
+    p = torch.empty(n, k1, vocab, dtype=torch.float32, device=logits.device)
+    groups: dict[tuple[float, int, float], list[int]] = defaultdict(list)
+    for i, sp in enumerate(params):
+        groups[(sp.temperature, sp.top_k, sp.top_p)].append(i)
+    for (temperature, top_k, top_p), members in groups.items():
+        idx = torch.tensor(members, device=logits.device)
+        flat = logits[idx].reshape(-1, vocab)  # [g * (k + 1), vocab]
+        p[idx] = target_probs(flat, temperature, top_k, top_p).view(-1, k1, vocab)
+    return p
+
+
+def _uniforms(
+    n: int,
+    k: int,
+    nd: torch.Tensor,  # [n]
+    generators: list[torch.Generator | None],
+    device: torch.device,
+) -> torch.Tensor:
+    """``[n, k]`` uniforms; a seeded sequence draws exactly ``nd[i]`` from its generator."""
+    u = torch.ones(n, k, device=device)  # slots past nd[i] are never used
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared and k > 0:
+        u[shared] = torch.rand(len(shared), k, device=device)
+    for i, (gen, d) in enumerate(zip(generators, nd.tolist(), strict=True)):
+        if gen is not None and d > 0:
+            u[i, :d] = torch.rand(d, generator=gen, device=gen.device).to(device)
+    return u
+
+
+def _draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of unnormalised ``weights`` ``[n, vocab]`` -> ``[n]``."""
+    out = torch.empty(weights.shape[0], dtype=torch.long, device=weights.device)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        out[shared] = torch.multinomial(weights[shared], 1).squeeze(1)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            out[i] = torch.multinomial(weights[i].to(gen.device), 1, generator=gen).item()
+    return out

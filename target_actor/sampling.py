@@ -1,0 +1,43 @@
+"""The distribution a sequence actually samples from: ``p`` = processed target probabilities.
+
+``target_probs`` applies temperature, then top-k, then top-p, and renormalises. Plain
+decoding samples from it and the rejection sampler verifies drafts against exactly the
+same ``p``, which keeps speculative output lossless. Greedy (``temperature == 0``) never
+builds ``p``: it takes the argmax of the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOP_P_CANDIDATES = 1024  # top-p sorts only this many candidates when they hold enough mass
+
+
+def target_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """``logits`` ``[n, vocab]`` -> the processed distribution ``[n, vocab]`` (fp32, sums to 1)."""
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        probs = _top_p(probs, top_p)
+    return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``, renormalised.
+
+    Sorting the whole vocabulary is the slow part, so only the top candidates are sorted
+    when they already hold ``top_p`` of the mass in every row (the usual case).
+    """
+    n_cand = min(TOP_P_CANDIDATES, probs.shape[-1])
+    sorted_p, idx = probs.topk(n_cand, dim=-1)  # descending
+    if n_cand < probs.shape[-1] and bool((sorted_p.sum(-1) < top_p).any()):
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)

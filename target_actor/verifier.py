@@ -1,0 +1,211 @@
+"""The target's side of a speculative round: prefill and verify, on every TP rank.
+
+Every rank runs the same forward; rank 0 alone samples (rejection sampling against the
+drafter's proposal) and builds the messages for the drafter. The per-sequence sampling
+settings and seeded generators live here, next to the sampling, so a seeded request is
+reproducible whatever else shares its batch. The target probabilities ``p`` never leave
+this process: the engine gets tokens and counts (``StepResult``), the drafter gets
+fixed-size views (``PrefillViews`` / ``RoundUpdate``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafter_actor.messages import PrefillViews, Proposal, RoundUpdate
+from drafter_actor.summary import build_round_update, empty_summary, update_summary
+
+from .batch import ForwardBatch, PrefillBatch, SeqSampling, StepResult, VerifyBatch
+from .rejection import rejection_sample
+from .runner import TargetRunner
+
+PREFILL_TOKENS = 1024  # prompt tokens per prefill forward: bounds activations and masks
+
+
+class _ViewBuilder:
+    """Accumulates one prompt's drafter views chunk by chunk: summary, window, boundary."""
+
+    def __init__(self, g: torch.Tensor, window: int, head_dim: int) -> None:
+        self.g, self.window, self.scale = g, window, head_dim**-0.5
+        self.m, self.lam = empty_summary(*g.shape)
+        self.win_k: torch.Tensor | None = None
+        self.win_v: torch.Tensor | None = None
+        self.boundary: torch.Tensor | None = None
+        self.length = 0
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Rows ``k``, ``v`` ``[L, n, H_kv, hd]`` and ``hidden`` ``[n, L, d]`` of the next chunk."""
+        self.m, self.lam = update_summary(self.m, self.lam, self.g, k, v, self.scale)
+        self.win_k = k if self.win_k is None else torch.cat([self.win_k, k], dim=1)
+        self.win_v = v if self.win_v is None else torch.cat([self.win_v, v], dim=1)
+        self.win_k, self.win_v = self.win_k[:, -self.window :], self.win_v[:, -self.window :]
+        self.boundary = hidden[-1]
+        self.length += k.shape[1]
+
+    def build(self, seq_id: int, seed: int | None) -> PrefillViews:
+        return PrefillViews(
+            seq_id=seq_id,
+            length=self.length,
+            window_k=self.win_k.contiguous(),
+            window_v=self.win_v.contiguous(),
+            summary_m=self.m,
+            summary_lam=self.lam,
+            boundary=self.boundary.clone(),
+            seed=seed,
+        )
+
+
+class Verifier:
+    def __init__(self, runner: TargetRunner, window: int = 256) -> None:
+        self.runner, self.cfg, self.window = runner, runner.cfg, window
+        self.is_driver = runner.tp.rank == 0
+        self.sampling: dict[int, SeqSampling] = {}
+        self.generators: dict[int, torch.Generator | None] = {}
+        self.summary_queries: torch.Tensor | None = None  # G [L, H, R, hd], set by the engine
+
+    def set_summary_queries(self, g: torch.Tensor | None) -> None:
+        self.summary_queries = None if g is None else g.float()
+
+    # -- prefill ------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, batch: PrefillBatch) -> tuple[StepResult | None, list[PrefillViews] | None]:
+        """Run the prompts (packed into ragged forwards of at most ``PREFILL_TOKENS`` tokens,
+        long ones split into chunks), sample each first token, build each drafter's views."""
+        for seq_id, sampling in zip(batch.seq_ids, batch.sampling, strict=True):
+            self.sampling[seq_id] = sampling
+            self.generators[seq_id] = (
+                None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
+            )
+        taps = batch.want_views and self.summary_queries is not None
+        progress = dict.fromkeys(batch.seq_ids, 0)
+        prompts = dict(zip(batch.seq_ids, batch.prompts, strict=True))
+        views = (
+            {
+                s: _ViewBuilder(self.summary_queries, self.window, self.cfg.head_dim)
+                for s in progress
+            }
+            if taps
+            else {}
+        )
+        last_logits: dict[int, torch.Tensor] = {}
+        while progress:
+            ids, chunks, budget = [], [], PREFILL_TOKENS
+            for seq_id, done in progress.items():
+                if budget == 0:
+                    break
+                chunk = prompts[seq_id][done : done + budget]
+                ids.append(seq_id)
+                chunks.append(chunk)
+                budget -= len(chunk)
+            ends = [
+                progress[s] + len(c) == len(prompts[s]) for s, c in zip(ids, chunks, strict=True)
+            ]
+            out = self.runner.forward(
+                ForwardBatch(
+                    seq_ids=ids,
+                    token_ids=torch.tensor([t for c in chunks for t in c]),
+                    num_new=[len(c) for c in chunks],
+                    start_pos=[progress[s] for s in ids],
+                    num_logits=[int(e) for e in ends],
+                    return_taps=taps,
+                )
+            )
+            row, off = 0, 0
+            for seq_id, chunk, end in zip(ids, chunks, ends, strict=True):
+                if taps:
+                    rows = slice(off, off + len(chunk))
+                    views[seq_id].add(out.tap_k[:, rows], out.tap_v[:, rows], out.tap_hidden[rows])
+                off += len(chunk)
+                progress[seq_id] += len(chunk)
+                if end:
+                    last_logits[seq_id] = out.logits[row]
+                    row += 1
+                    del progress[seq_id]
+        if not self.is_driver:
+            return None, None
+        logits = torch.stack([last_logits[s] for s in batch.seq_ids]).unsqueeze(1)  # [n, 1, vocab]
+        result = self._sample(batch.seq_ids, logits, None, [0] * len(batch.seq_ids))
+        if not taps:
+            return result, None
+        return result, [views[s].build(s, self.sampling[s].seed) for s in batch.seq_ids]
+
+    # -- verify -------------------------------------------------------------------
+    @torch.inference_mode()
+    def verify(
+        self, batch: VerifyBatch, proposal: Proposal | None
+    ) -> tuple[StepResult | None, list[RoundUpdate] | None]:
+        """Target forward over ``[anchor, drafts]`` per sequence, then rejection sampling."""
+        drafts = [
+            [] if n == 0 else proposal.tokens[i, :n].tolist() for i, n in enumerate(batch.num_draft)
+        ]
+        tokens = [[a, *d] for a, d in zip(batch.anchors, drafts, strict=True)]
+        fwd = ForwardBatch(
+            seq_ids=batch.seq_ids,
+            token_ids=torch.tensor([t for s in tokens for t in s]),
+            num_new=[len(s) for s in tokens],
+            start_pos=batch.positions,
+            num_logits=[len(s) for s in tokens],
+            return_taps=batch.want_updates,
+        )
+        out = self.runner.forward(fwd)
+        if not self.is_driver:
+            return None, None
+        k = max(batch.num_draft)
+        logits = torch.zeros(len(tokens), k + 1, out.logits.shape[-1])  # [n, k + 1, vocab]
+        off = 0
+        for i, s in enumerate(tokens):
+            logits[i, : len(s)] = out.logits[off : off + len(s)]
+            off += len(s)
+        result = self._sample(batch.seq_ids, logits, proposal, batch.num_draft)
+        updates = self._round_updates(batch, fwd, out, result) if batch.want_updates else None
+        return result, updates
+
+    @staticmethod
+    def _round_updates(
+        batch: VerifyBatch, fwd: ForwardBatch, out, result: StepResult
+    ) -> list[RoundUpdate]:
+        updates, off = [], 0
+        for i, seq_id in enumerate(batch.seq_ids):
+            rows = slice(off, off + fwd.num_new[i])
+            updates.append(
+                build_round_update(
+                    seq_id,
+                    batch.positions[i],
+                    result.num_accepted[i],
+                    out.tap_k[:, rows],
+                    out.tap_v[:, rows],
+                    out.tap_hidden[rows],
+                )
+            )
+            off += fwd.num_new[i]
+        return updates
+
+    def _sample(self, seq_ids, logits, proposal: Proposal | None, num_draft) -> StepResult:
+        params = [self.sampling[s] for s in seq_ids]
+        gens = [self.generators[s] for s in seq_ids]
+        k, n = logits.shape[1] - 1, len(seq_ids)
+        if proposal is None:  # plain decoding steps: an empty proposal
+            proposal = Proposal(
+                torch.zeros(n, 0, dtype=torch.long),
+                torch.zeros(n, 0, 1, dtype=torch.long),
+                torch.zeros(n, 0, 1),
+            )
+        elif proposal.tokens.shape[1] != k:  # drafted more than any sequence verifies
+            proposal = Proposal(
+                proposal.tokens[:, :k], proposal.q_ids[:, :k], proposal.q_probs[:, :k]
+            )
+        res = rejection_sample(logits, proposal, params, gens, num_draft)
+        return StepResult(committed=res.committed, num_accepted=res.num_accepted.tolist())
+
+    # -- lifecycle ----------------------------------------------------------------
+    def free(self, seq_ids: list[int]) -> None:
+        self.runner.free(seq_ids)
+        for s in seq_ids:
+            self.sampling.pop(s, None)
+            self.generators.pop(s, None)
+
+    def forward(self, batch: ForwardBatch):
+        return self.runner.forward(batch)
+
+    def kv_stats(self) -> dict[str, int]:
+        return self.runner.kv_stats()

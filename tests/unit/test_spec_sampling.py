@@ -1,0 +1,94 @@
+"""Sampling end to end: spec decoding's output distribution equals the target's.
+
+A tiny target with an 8-token vocabulary, temperature 1: the joint distribution of the
+first three generated tokens (512 outcomes) under speculative decoding with a random
+drafter (sparse proposals, K_q=4, k=2, so rounds cross the 3-token window in every way)
+is compared with the exact joint the target defines, by a chi-square test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from services.engine import Engine, EngineConfig
+from services.sampling import SamplingParams
+from target_actor.batch import ForwardBatch
+from target_actor.runner import TargetSpec
+from target_actor.worker import LocalTarget
+from tests.conftest import make_tiny_checkpoint
+
+N_SAMPLES = 20_000
+VOCAB = 8
+PROMPT = [1, 5, 2]
+
+
+class Letters:
+    eos_token_id = None
+
+    def decode(self, ids):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def exact_joint(target: LocalTarget) -> torch.Tensor:
+    """p(t1, t2, t3 | prompt) for all 512 outcomes, from the target's own logits."""
+    joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    seq = itertools.count(10_000)
+    for t1, t2 in itertools.product(range(VOCAB), repeat=2):
+        sid = next(seq)
+        out = target.forward(ForwardBatch.single(sid, PROMPT + [t1, t2], 0, num_logits=3)).logits
+        target.free([sid])
+        p = torch.softmax(out.double(), dim=-1)  # rows: after prompt, after t1, after t2
+        joint[t1, t2] = p[0, t1] * p[1, t2] * p[2]
+    return joint
+
+
+def chi2_threshold(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty upper quantile of chi-square (z=3.09: alpha = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_joint_of_first_three_tokens_matches_target(tmp_path):
+    from drafter_actor.worker import LocalDrafter
+
+    path = make_tiny_checkpoint(
+        tmp_path / "t",
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        initializer_range=0.3,
+    )
+    target = LocalTarget(TargetSpec(str(path), kv_cache_tokens=N_SAMPLES * 8))
+    drafter = LocalDrafter(
+        target_path=str(path),
+        drafter_path="random",
+        k=2,
+        carry=True,
+        seed=1,
+        overrides={"proposal_support": 4},
+    )
+    engine = Engine(
+        target, Letters(), drafter, EngineConfig(k=2, max_num_seqs=2500, max_prefill_seqs=2500)
+    )
+    torch.manual_seed(0)
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    outs = engine.generate(
+        [PROMPT] * N_SAMPLES, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    )
+    for o in outs:
+        counts[tuple(o.token_ids)] += 1
+    assert engine.stats.spec.num_drafts > 0
+    accepted = engine.stats.spec.num_accepted_tokens / engine.stats.spec.num_draft_tokens
+    assert 0.05 < accepted < 0.95  # rejections and acceptances both happen
+
+    expected = exact_joint(target) * N_SAMPLES
+    keep = expected >= 5  # pool the rare outcomes into one cell
+    obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+    exp = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    df = obs.numel() - 1
+    assert chi2 < chi2_threshold(df), f"chi2={chi2:.1f} over df={df}"
