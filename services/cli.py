@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from .errors import user_error_message
 
@@ -104,9 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
     dec = bench_sub.add_parser("decode", help="plain decoding tokens/s vs transformers generate")
     dec.add_argument("--max-tokens", type=_positive_int, default=128)
     dec.add_argument("--repeats", type=_positive_int, default=3)
-    dec.add_argument("--compile", action="store_true", help="also time a torch.compile'd target")
     dec.add_argument("--json", default=None, help="write results to this JSON file")
     _add_target_args(dec)
+    spec = bench_sub.add_parser("spec", help="speculative vs plain decoding at C=1, same run")
+    spec.add_argument(
+        "--drafter", default=None, help="drafter folder or 'random' (default: shipped)"
+    )
+    spec.add_argument("--k", type=_positive_int, default=None)
+    spec.add_argument("--no-carry", action="store_true")
+    spec.add_argument("--max-tokens", type=_positive_int, default=128)
+    spec.add_argument("--json", default=None, help="write results to this JSON file")
+    spec.add_argument("--target", default=None)
+    drf = bench_sub.add_parser("drafter", help="drafting time and state bytes vs context")
+    drf.add_argument(
+        "--contexts", default="1024,8192,32768", help="comma-separated context lengths"
+    )
+    drf.add_argument("--k", type=_positive_int, default=15)
+    drf.add_argument("--repeats", type=_positive_int, default=5)
+    drf.add_argument("--draft-vocab-size", type=_positive_int, default=None)
+    drf.add_argument("--json", default=None, help="write results to this JSON file")
+    drf.add_argument("--target", default=None)
     return parser
 
 
@@ -188,13 +206,31 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
-    from .benchmarks.decode import run_decode_bench
+    if args.bench_command == "decode":
+        from .benchmarks.decode import run_decode_bench
 
-    report = run_decode_bench(args)
+        report = run_decode_bench(args)
+    elif args.bench_command == "spec":
+        from .benchmarks.spec import run_spec_bench
+
+        report = run_spec_bench(
+            args.drafter, args.k, args.max_tokens, args.target, not args.no_carry
+        )
+    else:
+        from .benchmarks.drafter import run_drafter_bench
+
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+        report = run_drafter_bench(
+            contexts,
+            args.k,
+            args.repeats,
+            target=args.target,
+            draft_vocab_size=args.draft_vocab_size,
+        )
     text = json.dumps(report, indent=2)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
     print(text)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from .batch import ForwardBatch, ForwardOutput
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .linear import PackedWeights
 from .parallel import TPContext
 from .rope import RotaryTable, apply_rope
 from .weights import CheckpointReader
@@ -59,6 +60,16 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * self.inter, d), requires_grad=False)
         self.down = nn.Parameter(torch.empty(d, self.inter), requires_grad=False)
         self.scale = hd**-0.5
+        self.prepare(())
+
+    def prepare(self, row_counts: tuple[int, ...]) -> None:
+        """(Re)build the GEMM weights, MKL-packed for ``row_counts`` (after loading)."""
+        self.lin_qkv, self.lin_o = (
+            PackedWeights(self.qkv, row_counts),
+            PackedWeights(self.o, row_counts),
+        )
+        self.lin_gate_up = PackedWeights(self.gate_up, row_counts)
+        self.lin_down = PackedWeights(self.down, row_counts)
 
     def load(self, ckpt: CheckpointReader, prefix: str) -> None:
         cfg, tp, hd = self.cfg, self.tp, self.cfg.head_dim
@@ -112,7 +123,7 @@ class DecoderLayer(nn.Module):
         """``h`` ``[T, hidden]`` -> new ``h``, and this rank's new K, V ``[T, kv_heads, head_dim]``."""
         cfg, hd = self.cfg, self.cfg.head_dim
         T = h.shape[0]
-        qkv = F.linear(rms_norm(h, self.input_norm, cfg.rms_norm_eps), self.qkv, self.qkv_bias)
+        qkv = self.lin_qkv(rms_norm(h, self.input_norm, cfg.rms_norm_eps), self.qkv_bias)
         q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         q, k, v = (
             q.view(T, self.heads, hd),
@@ -133,15 +144,13 @@ class DecoderLayer(nn.Module):
             qs = q[off : off + n].transpose(0, 1).reshape(self.kv_heads, group * n, hd)
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale)
             out[off : off + n] = o.view(self.heads, n, hd).transpose(0, 1).reshape(n, -1)
-        attn = self.tp.all_reduce(F.linear(out, self.o))
+        attn = self.tp.all_reduce(self.lin_o(out))
         if self.o_bias is not None:
             attn = attn + self.o_bias
         h = h + attn
 
-        gate, up = F.linear(rms_norm(h, self.post_norm, cfg.rms_norm_eps), self.gate_up).chunk(
-            2, -1
-        )
-        h = h + self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down))
+        gate, up = self.lin_gate_up(rms_norm(h, self.post_norm, cfg.rms_norm_eps)).chunk(2, -1)
+        h = h + self.tp.all_reduce(self.lin_down(F.silu(gate) * up))
         return h, k, v
 
 
@@ -165,6 +174,7 @@ class TargetModel(nn.Module):
             else nn.Parameter(torch.empty(self.vocab_size, d), requires_grad=False)
         )
         self.rope = RotaryTable(cfg, dtype)
+        self.lin_head = PackedWeights(self.lm_head)
         self.tap_index = {layer: i for i, layer in enumerate(cfg.tap_layer_ids)}
 
     @property
@@ -182,6 +192,12 @@ class TargetModel(nn.Module):
         else:
             self.lm_head = nn.Parameter(ckpt.rows("lm_head.weight", v0, vn), requires_grad=False)
 
+    def prepare(self, row_counts: tuple[int, ...] = ()) -> None:
+        """After loading: pack GEMM weights for the verify row counts (``()``: plain F.linear)."""
+        for layer in self.layers:
+            layer.prepare(row_counts)
+        self.lin_head = PackedWeights(self.lm_head, row_counts)
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: ids outside this rank's slice contribute zeros."""
         if not self.tp.enabled:
@@ -193,7 +209,7 @@ class TargetModel(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on ``h`` ``[N, hidden]`` -> ``[N, vocab]`` (gathered, fp32)."""
-        local = F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+        local = self.lin_head(rms_norm(h, self.norm, self.cfg.rms_norm_eps))
         return self.tp.all_gather_last(local, self.cfg.vocab_size).float()
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:

@@ -43,6 +43,7 @@ class TargetSpec:
     num_taps: int = DEFAULT_NUM_TAPS
     tap_layer_ids: tuple[int, ...] | None = None  # the drafter's taps; default evenly spaced
     num_threads: int | None = None
+    packed_rows: tuple[int, ...] = (8, 16)  # row counts whose GEMM weights MKL pre-packs
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,6 +69,7 @@ class TargetRunner:
         ckpt = CheckpointReader(Path(spec.path), dtype)
         model.load(ckpt)
         ckpt.close()
+        model.prepare(tuple(spec.packed_rows))
         self.model = model.eval()
         self.cache = KVCache(
             self.cfg.num_layers,

@@ -144,3 +144,22 @@ def test_rope_scaling_matches_transformers(tmp_path, arch, rope):
     assert runner.cfg.rope_scaling and runner.cfg.tie_word_embeddings
     ours = runner.forward(ForwardBatch.single(0, tokens, 0, num_logits=60)).logits
     assert (ours - hf_logits(path, tokens)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_mkl_packed_rows_match_plain_linear(tiny_checkpoints, n):
+    from target_actor.linear import mkl_packing_available
+
+    if not mkl_packing_available():
+        pytest.skip("no MKL packed GEMM in this torch build")
+    path = str(tiny_checkpoints["qwen2"])
+    tokens = prompt(30, 11)
+    packed = TargetRunner(TargetSpec(path, packed_rows=(n,)))
+    plain = TargetRunner(TargetSpec(path, packed_rows=()))
+    assert packed.model.layers[0].lin_qkv.packs and not plain.model.layers[0].lin_qkv.packs
+    for r in (packed, plain):
+        r.forward(ForwardBatch.single(0, tokens[:-n], 0))
+    got = packed.forward(ForwardBatch.single(0, tokens[-n:], 30 - n, num_logits=n)).logits
+    ref = plain.forward(ForwardBatch.single(0, tokens[-n:], 30 - n, num_logits=n)).logits
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert (ref - hf_logits(path, tokens)[-n:]).abs().max().item() <= 1e-4

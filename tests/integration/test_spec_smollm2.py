@@ -1,0 +1,89 @@
+"""Speculative decoding on the real default model is token-identical to plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.backends import EngineOptions, build_engine
+from services.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    'def is_prime(n):\n    """Return True if n is prime."""\n',
+    "Write a SQL query that counts the orders per customer.",
+    "Explain what a hash map is in two sentences.",
+    "Tom has 3 apples and buys 5 more. He gives 2 away. How many apples does he have?",
+    "What is 17 times 23? Show your steps.",
+    "A train travels 60 km in 45 minutes. What is its average speed in km/h?",
+    "Solve for x: 2x + 7 = 19.",
+    "Tell me a short story about a robot who learns to paint.",
+    "What are three tips for staying productive when working from home?",
+    "Write a haiku about autumn leaves.",
+    "How do I make a cup of green tea?",
+    "Who wrote the novel Pride and Prejudice?",
+    "What is the capital of Australia?",
+    "When did the first human land on the Moon?",
+    "Summarize in one sentence: The city council voted on Tuesday to expand the bike lane "
+    "network by 40 kilometres over the next three years, citing rising cycling numbers.",
+    "Summarize: Researchers found that regular walking improves memory in older adults, "
+    "according to a study of 300 volunteers over two years.",
+    "Translate to French: The weather is beautiful today.",
+    "Translate to Spanish: Where is the train station?",
+    "Translate to German: I would like a coffee, please.",
+]
+
+
+@pytest.fixture(scope="module")
+def chats(smollm2_path):
+    from services.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_path)
+    return [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(smollm2_path, chats):
+    engine, close = build_engine(EngineOptions(mode="ar", max_num_seqs=8))
+    try:
+        outs = engine.generate(chats, SamplingParams(max_tokens=48))
+    finally:
+        close()
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def spec_engine(smollm2_path):
+    engine, close = build_engine(EngineOptions(mode="spec", drafter="random", k=7, max_num_seqs=8))
+    yield engine
+    close()
+
+
+def test_spec_alone_equals_plain(spec_engine, chats, plain_outputs):
+    for ids, ref in zip(chats[:6], plain_outputs[:6], strict=True):
+        assert spec_engine.generate([ids], SamplingParams(max_tokens=48))[0].token_ids == ref
+
+
+def test_spec_batched_join_leave_equals_plain(spec_engine, chats, plain_outputs):
+    finals = {}
+    pending = list(range(len(chats)))
+    lengths = [48 if i % 3 else 20 for i in range(len(chats))]  # short ones leave early
+    while pending or spec_engine.has_unfinished():
+        for _ in range(3 if len(spec_engine.scheduler.running) < 6 else 0):
+            if pending:
+                i = pending.pop(0)
+                spec_engine.add_request(
+                    chats[i],
+                    SamplingParams(max_tokens=lengths[i]),
+                    str(i),
+                    on_output=lambda o: o.finished and finals.__setitem__(o.request_id, o),
+                )
+        spec_engine.step()
+    for i, ref in enumerate(plain_outputs):
+        got = finals[str(i)].token_ids
+        n = len(got)
+        assert got == ref[:n] and (n == len(ref) or n == lengths[i]), f"prompt {i}"
+    assert spec_engine.target.kv_stats()["num_seqs"] == 0
+    assert spec_engine.drafter.num_states() == 0
+    assert spec_engine.stats.spec.num_drafts > 0
