@@ -1,0 +1,41 @@
+"""Training data from the real default model: ShareGPT prompts answered by SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.prompts import load_prompts, normalise
+from services.tokenizer import Tokenizer
+from services.train_data import generate_training_data, read_training_data
+
+pytestmark = pytest.mark.slow
+
+
+def test_smollm2_answers_sharegpt_prompts(smollm2_path, tmp_path):
+    import transformers
+
+    manifest = generate_training_data(
+        tmp_path / "data", num_prompts=4, max_tokens=16, batch_size=4, progress=False
+    )
+    assert manifest["model"] == "SmolLM2-135M-Instruct" and manifest["num_records"] == 4
+    assert manifest["source"].startswith("sharegpt") and manifest["eos_token_ids"] == [2]
+    records = list(read_training_data(tmp_path / "data"))
+    assert len({r.id for r in records}) == 4
+
+    tok = Tokenizer(smollm2_path)
+    train = {p.id: p.prompt for p in load_prompts("sharegpt")}
+    for r in records:
+        assert normalise(train[r.id]) in normalise(tok.hf.decode(r.prompt_ids))
+        assert 2 not in r.response_ids
+        assert r.finish_reason == "stop" or len(r.response_ids) == 16
+
+    # plain-mode engine output is the target's own greedy continuation
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    r = records[0]
+    with torch.no_grad():
+        out = model.eval().generate(
+            torch.tensor([r.prompt_ids]), do_sample=False, max_new_tokens=16, pad_token_id=2
+        )
+    expected = out[0, len(r.prompt_ids) :].tolist()
+    assert r.response_ids + ([2] if r.finish_reason == "stop" else []) == expected
