@@ -100,6 +100,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(serve)
     _add_engine_args(serve)
 
+    data = sub.add_parser("data", help="prompt sets (ShareGPT for training, benchmark categories)")
+    data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    data_fetch = data_sub.add_parser(
+        "fetch", help="fetch and normalise every prompt set (idempotent)"
+    )
+    data_fetch.add_argument("--force", action="store_true")
+
+    train = sub.add_parser("train", help="train the drafter")
+    train_sub = train.add_subparsers(dest="train_command", required=True, parser_class=_Parser)
+    tdata = train_sub.add_parser("data", help="regenerate responses with the target (resumable)")
+    tdata.add_argument("--prompts", choices=["sharegpt"], default="sharegpt")
+    tdata.add_argument("--num-prompts", type=_positive_int, required=True)
+    tdata.add_argument("--out", required=True, help="output folder (shards + manifest)")
+    tdata.add_argument("--max-tokens", type=_positive_int, default=256)
+    tdata.add_argument("--temperature", type=float, default=0.0)
+    tdata.add_argument("--batch-size", type=_positive_int, default=16)
+    tdata.add_argument("--seed", type=int, default=0)
+    tdata.add_argument("--target", default=None)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
     dec = bench_sub.add_parser("decode", help="plain decoding tokens/s vs transformers generate")
@@ -205,6 +224,29 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     _cmd_generate(args)
 
 
+def _cmd_data(args: argparse.Namespace) -> None:
+    from .prompts import fetch_all
+
+    for name, count in fetch_all(force=args.force).items():
+        print(f"{name}\t{count}")
+
+
+def _cmd_train(args: argparse.Namespace) -> None:
+    if args.train_command == "data":
+        from .train_data import generate_training_data
+
+        manifest = generate_training_data(
+            args.out,
+            args.num_prompts,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            batch_size=args.batch_size,
+            target=args.target,
+            seed=args.seed,
+        )
+        print(json.dumps(manifest, indent=2))
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
     if args.bench_command == "decode":
         from .benchmarks.decode import run_decode_bench
@@ -239,6 +281,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "generate": _cmd_generate,
     "serve": _cmd_serve,
     "bench": _cmd_bench,
+    "data": _cmd_data,
+    "train": _cmd_train,
 }
 
 
