@@ -96,9 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
 
-    serve = sub.add_parser("serve", help="serve the default model (generation demo for now)")
-    _add_target_args(serve)
-    _add_engine_args(serve)
+    from .serve_launch import add_serve_args
+
+    serve = sub.add_parser(
+        "serve", help="serve an OpenAI-compatible API (Ray Serve) on 127.0.0.1:8000"
+    )
+    add_serve_args(serve)
 
     data = sub.add_parser("data", help="prompt sets (ShareGPT for training, benchmark categories)")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
@@ -207,21 +210,9 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    print(
-        "longspark serve: the HTTP service is not built yet; running a generation demo "
-        "with the default model instead.",
-        file=sys.stderr,
-    )
-    args.prompt, args.chat, args.json = "Write one sentence about Paris.", True, False
-    args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop = (
-        48,
-        0.0,
-        1.0,
-        0,
-        None,
-        [],
-    )
-    _cmd_generate(args)
+    from .serve_launch import run_server
+
+    run_server(args)
 
 
 def _cmd_data(args: argparse.Namespace) -> None:

@@ -74,6 +74,9 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._updates: Any = None  # the last verify's RoundUpdates handle, for the drafter
+        # A fault-tolerant drafter handle (``services.serve_drafter``) may lose sequences'
+        # state when its actor dies: ``drafting(seq_id)`` is then False and they go on plain.
+        self._drafting: Callable[[int], bool] = getattr(drafter, "drafting", lambda seq_id: True)
         if drafter is not None:
             target.set_summary_queries(drafter.summary_queries())
 
@@ -146,6 +149,8 @@ class Engine:
                 DraftRequest(s.seq_id, s.anchor, s.cache_len, s.params.temperature) for s in running
             ]
             proposal = self.drafter.propose(requests, max(num_draft), self._updates)
+            if proposal is None:  # the drafter failed this round: verify zero drafts
+                num_draft = batch.num_draft = [0] * len(running)
         t1 = time.perf_counter()
         result, self._updates = self.target.verify(batch, proposal)
         t2 = time.perf_counter()
@@ -160,7 +165,7 @@ class Engine:
 
     def _num_draft(self, seq: Sequence) -> int:
         """Drafts worth verifying: never past max_tokens or the context (0 = plain step)."""
-        if self.drafter is None:
+        if self.drafter is None or not self._drafting(seq.seq_id):
             return 0
         return max(0, min(self.config.k, seq.remaining - 1, self.max_len - seq.total_len - 1))
 

@@ -8,6 +8,7 @@ interface in-process at TP=1, without Ray.
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -66,28 +67,38 @@ class TargetGroup:
         cpus_per_rank: float = 1.0,
         gpus_per_rank: float = 0.0,
         window: int = 256,
+        pg: PlacementGroup | None = None,
+        first_bundle: int = 0,
     ) -> None:
+        """Start ``tp`` ranks in a new ``STRICT_PACK`` placement group, or, when ``pg`` is
+        given (a Serve replica's), in its bundles ``first_bundle..first_bundle+tp-1``."""
         ModelConfig.from_pretrained(spec.path, spec.num_taps).check_tp(tp)  # fail before Ray work
-        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
-        self.pg: PlacementGroup = placement_group(
-            [dict(bundle) for _ in range(tp)], strategy="STRICT_PACK"
-        )
-        ray.get(self.pg.ready(), timeout=120)
+        self.owns_pg = pg is None
+        if pg is None:
+            bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+            pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
+            ray.get(pg.ready(), timeout=120)
+        self.pg: PlacementGroup = pg
+        threads = str(spec.num_threads or max(1, int(cpus_per_rank)))
         actor_cls = ray.remote(TargetWorker)
         self.workers = [
             actor_cls.options(
                 num_cpus=cpus_per_rank,
                 num_gpus=gpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank
+                    placement_group=pg, placement_group_bundle_index=first_bundle + rank
                 ),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(cpus_per_rank)))}},
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}},
             ).remote(rank, tp)
             for rank in range(tp)
         ]
         addr, port = ray.get(self.workers[0].rendezvous.remote())
         setups = [w.setup.remote(spec, addr, port, window) for w in self.workers]
         self.cfg: ModelConfig = ray.get(setups)[0]
+
+    def pids(self) -> list[int]:
+        """The ranks' process ids (fault-injection tests kill them)."""
+        return ray.get([w.__ray_call__.remote(lambda _: os.getpid()) for w in self.workers])
 
     def call_pair(self, method: str, *args: Any) -> tuple[Any, ray.ObjectRef]:
         """Same call on every rank; rank 0's small result is fetched, its big one stays a ref."""
@@ -124,7 +135,8 @@ class TargetGroup:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
-        remove_placement_group(self.pg)
+        if self.owns_pg:
+            remove_placement_group(self.pg)
 
 
 class LocalTarget:

@@ -1,0 +1,192 @@
+"""``longspark serve``: start a local Ray, deploy the app, serve until Ctrl-C / SIGTERM.
+
+The defaults are the app ``args`` and ``http_options`` of ``deploy/local-cpu.yaml`` (the
+file ``serve run deploy/local-cpu.yaml`` deploys), so ``make serve`` and ``serve run``
+start the same service; command-line options override them. Without a trained drafter
+for the target (and no ``--drafter``), the service decodes plainly and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local-cpu.yaml"
+APP_NAME = "longspark"
+DASHBOARD_PORT = 8265
+
+# command-line option -> ServeArgs field
+OVERRIDES = {
+    "target": "target",
+    "tp": "tp",
+    "mode": "mode",
+    "drafter": "drafter",
+    "k": "k",
+    "max_num_seqs": "max_num_seqs",
+    "min_replicas": "min_replicas",
+    "max_replicas": "max_replicas",
+    "api_key": "api_key",
+}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The ``serve`` subcommand's options (unset ones come from the config file)."""
+    http = p.add_argument_group("HTTP")
+    http.add_argument("--host", default=None, help="bind address (default: 127.0.0.1)")
+    http.add_argument("--port", type=_positive_int, default=None, help="port (default: 8000)")
+    http.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $LONGSPARK_API_KEY; unset = open)",
+    )
+    model = p.add_argument_group("model and engine")
+    model.add_argument("--target", default=None, help="local HF folder (default: SmolLM2-135M)")
+    model.add_argument("--tp", type=_positive_int, default=None, help="target TP degree")
+    model.add_argument("--mode", choices=["spec", "ar"], default=None, help="spec or plain (ar)")
+    model.add_argument(
+        "--drafter", default=None, help="drafter folder or 'random' (default: the shipped one)"
+    )
+    model.add_argument("--k", type=_positive_int, default=None, help="draft tokens per round")
+    model.add_argument(
+        "--max-num-seqs", type=_positive_int, default=None, help="running sequences per replica"
+    )
+    scale = p.add_argument_group("replicas")
+    scale.add_argument("--min-replicas", type=_positive_int, default=None)
+    scale.add_argument("--max-replicas", type=_positive_int, default=None)
+    p.add_argument(
+        "--config",
+        default=None,
+        help=f"Serve config whose app args are the defaults (default: {DEFAULT_CONFIG.name})",
+    )
+
+
+def load_config(path: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(app args, http_options) of the first application in a Serve config file."""
+    import yaml
+
+    path = path or DEFAULT_CONFIG
+    if not path.is_file():
+        if path == DEFAULT_CONFIG:
+            return {}, {}
+        raise FileNotFoundError(f"no Serve config at {path}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    apps = raw.get("applications") or [{}]
+    return dict(apps[0].get("args") or {}), dict(raw.get("http_options") or {})
+
+
+def _dashboard_available() -> bool:
+    import ray._private.utils as ray_utils
+
+    check = getattr(ray_utils, "get_dashboard_dependency_error", None)
+    return check is None or check() is None
+
+
+def settings_from(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+    """(app args, host, port): the config file's, overridden by the options given."""
+    app_args, http = load_config(Path(args.config) if args.config else None)
+    for option, field in OVERRIDES.items():
+        value = getattr(args, option, None)
+        if value is not None:
+            app_args[field] = value
+    if args.drafter is not None and args.mode is None:
+        app_args["mode"] = "spec"
+    host = args.host or http.get("host") or "127.0.0.1"
+    port = args.port or http.get("port") or 8000
+    return app_args, host, int(port)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    import ray
+    from pydantic import ValidationError
+    from ray import serve
+
+    from .serve import build_app
+    from .serve_config import ServeArgs
+
+    app_args, host, port = settings_from(args)
+    if app_args.get("target") is None:
+        print("Checking the default model (fetched once on first use)...", flush=True)
+    try:
+        cfg = ServeArgs.model_validate(app_args).resolved()  # fails here, before Ray starts
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"{where + ': ' if where else ''}{first['msg']}") from None
+    if cfg.mode == "ar" and app_args.get("mode", "spec") == "spec":
+        print(
+            f"No trained drafter ships for {Path(cfg.target).name}: serving PLAIN decoding. "
+            "(Pass --drafter FOLDER, or --drafter random for an untrained, still exact one.)",
+            flush=True,
+        )
+    app_args = cfg.model_dump()
+    bundle_cpus = sum(b.get("CPU", 0) for b in cfg.bundles())
+    num_cpus = max(os.cpu_count() or 1, math.ceil(bundle_cpus * cfg.max_replicas) + 1)
+    dashboard = _dashboard_available()
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=dashboard,
+        dashboard_host="127.0.0.1",
+        dashboard_port=DASHBOARD_PORT,
+        namespace="serve",
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        serve.start(
+            http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"}
+        )
+        print(f"Deploying {cfg.model_name} (this loads the model in each replica)...", flush=True)
+        serve.run(
+            build_app(app_args),
+            name=APP_NAME,
+            route_prefix="/",
+            logging_config={"log_level": "WARNING"},
+        )
+        _print_banner(cfg, host, port, dashboard)
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("Shutting down...", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _print_banner(cfg: Any, host: str, port: int, dashboard: bool) -> None:
+    url = f"http://{host}:{port}"
+    auth = " -H 'Authorization: Bearer <your key>'" if cfg.api_key else ""
+    replicas = (
+        f"{cfg.min_replicas}" if cfg.min_replicas == cfg.max_replicas
+        else f"{cfg.min_replicas}..{cfg.max_replicas} (autoscaling)"
+    )  # fmt: skip
+    lines = [
+        f"longspark serving {cfg.model_name} at {url}/v1 (OpenAI API)",
+        f"  mode: {cfg.mode}, drafter: {cfg.drafter_label}, TP={cfg.tp}, replicas: {replicas}",
+        f"  auth: {'bearer token required' if cfg.api_key else 'off'}",
+    ]
+    if dashboard:
+        lines.append(f"  Ray dashboard: http://127.0.0.1:{DASHBOARD_PORT}")
+    lines += [
+        "Try:",
+        f"  curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
+        f'    -d \'{{"model": "{cfg.model_name}", "max_tokens": 64, '
+        '"messages": [{"role": "user", "content": "Tell me about Paris."}]}\'',
+        "Ctrl-C stops it.",
+    ]
+    print("\n".join(lines), flush=True)

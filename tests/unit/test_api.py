@@ -1,0 +1,433 @@
+"""The OpenAI API over an in-process AsyncEngine (no Ray): protocol, streaming, errors, auth.
+
+A tiny random Qwen3 with a small byte-level BPE tokenizer and a chat template stands in
+for the real model, so every test runs in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.app import WARNING_HEADER, create_app
+from api.serving import OpenAIServing, ServingSettings
+from services.async_engine import AsyncEngine, GenerateRequest, RequestFailed
+from services.backends import EngineOptions, build_engine
+from services.sampling import SamplingParams
+from tests.conftest import make_tiny_checkpoint
+
+MODEL = "tiny-chat"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_chat_model(folder: Path, arch: str = "qwen3", **overrides) -> Path:
+    """A tiny random model with a real (byte-level BPE) tokenizer and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        ["The quick brown fox jumps over the lazy dog. Hello world."] * 4, trainer
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    make_tiny_checkpoint(
+        folder, arch, vocab_size=len(fast), eos_token_id=fast.eos_token_id, **overrides
+    )
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat):
+    eng, close = build_engine(
+        EngineOptions(
+            target=str(tiny_chat), drafter="random", k=4, max_num_seqs=8, kv_cache_tokens=8192
+        )
+    )
+    runner = AsyncEngine(eng)
+    yield runner
+    runner.shutdown()
+    close()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_chat):
+    eng, close = build_engine(EngineOptions(target=str(tiny_chat), mode="ar", kv_cache_tokens=4096))
+    yield eng
+    close()
+
+
+def make_app(engine, api_key=None, max_request_bytes=1 << 20):
+    settings = ServingSettings(
+        model_name=MODEL, mode="spec", api_key=api_key, max_request_bytes=max_request_bytes
+    )
+    return create_app(OpenAIServing(engine, settings))
+
+
+def http(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def openai_client(app, api_key="unused"):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url="http://test/v1", api_key=api_key, http_client=http(app))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def plain_tokens(plain, ids: list[int], n: int) -> list[int]:
+    return plain.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+
+
+def test_completion_greedy_equals_plain_decoding(engine, plain):
+    app = make_app(engine)
+    prompt = "The quick brown fox"
+
+    async def go():
+        client = openai_client(app)
+        return await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    out = run(go())
+    ids = engine.tok.encode(prompt)
+    want = plain_tokens(plain, ids, 12)
+    assert out.choices[0].text == engine.tok.decode(want)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 12
+    extras = out.model_extra["longspark"]
+    assert extras["mode"] == "spec" and extras["rounds"] >= 1 and extras["num_drafts"] >= 1
+
+
+def test_chat_stream_equals_non_stream(engine, plain):
+    app = make_app(engine)
+    messages = [{"role": "user", "content": "Hello there"}]
+
+    async def go():
+        client = openai_client(app)
+        whole = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = [c async for c in stream]
+        return whole, chunks
+
+    whole, chunks = run(go())
+    want = engine.tok.decode(plain_tokens(plain, engine.tok.encode_chat(messages), 10))
+    assert whole.choices[0].message.content == want
+    assert whole.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_sse_wire_format_ends_with_done(engine):
+    async def go():
+        async with http(make_app(engine)) as c:
+            body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": True}
+            r = await c.post("/v1/completions", json=body)
+            return r
+
+    r = run(go())
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: ") :])
+    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"]
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0.9, "top_p": 0.9}
+    body.update(top_k=20, seed=7)
+
+    async def go():
+        async with http(make_app(engine)) as c:
+            a = await c.post("/v1/completions", json=body)
+            b = await c.post("/v1/completions", json=body)
+            return a.json(), b.json()
+
+    a, b = run(go())
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+BAD = [
+    (b"{not json", 400, None, "json_invalid"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "5"}), 400, "max_tokens", None),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -3}), 400, "max_tokens", None),
+    (json.dumps({"model": MODEL, "prompt": "x", "temperature": -1}), 400, "temperature", None),
+    (json.dumps({"model": MODEL, "prompt": "x", "top_p": 0}), 400, "top_p", None),
+    (json.dumps({"model": MODEL, "prompt": "x", "n": 2}), 400, "n", None),
+    (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 2}), 400, "logprobs", None),
+    (json.dumps({"model": MODEL, "prompt": "x", "echo": True}), 400, "echo", None),
+    (json.dumps({"model": MODEL, "prompt": ["a", "b"]}), 400, "prompt", None),
+    (json.dumps({"model": MODEL}), 400, "prompt", None),
+    (json.dumps({"model": "gpt-4", "prompt": "x"}), 404, "model", "model_not_found"),
+    (json.dumps({"model": MODEL, "prompt": "word " * 400}), 400, None, "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,code", BAD)
+def test_bad_completion_requests_get_openai_errors(engine, body, status, param, code):
+    async def go():
+        async with http(make_app(engine)) as c:
+            bad = await c.post(
+                "/v1/completions", content=body, headers={"content-type": "application/json"}
+            )
+            good = await c.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+            )
+            return bad, good
+
+    bad, good = run(go())
+    assert bad.status_code == status, bad.text
+    err = bad.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    assert good.status_code == 200  # and the service keeps serving
+
+
+def test_chat_errors(engine):
+    cases = [
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            "messages.0.role",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+            400,
+            "tools",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "response_format",
+        ),
+    ]
+
+    async def go():
+        async with http(make_app(engine)) as c:
+            return [await c.post("/v1/chat/completions", json=b) for b, _, _ in cases]
+
+    for r, (_, status, param) in zip(run(go()), cases, strict=True):
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == param
+
+
+def test_unknown_fields_are_ignored_with_a_warning(engine):
+    async def go():
+        async with http(make_app(engine)) as c:
+            return await c.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "mystery": 1},
+            )
+
+    r = run(go())
+    assert r.status_code == 200 and "mystery" in r.headers[WARNING_HEADER]
+
+
+def test_body_too_large_is_413(engine):
+    async def go():
+        async with http(make_app(engine, max_request_bytes=2048)) as c:
+            return await c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 5000})
+
+    r = run(go())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_auth(engine):
+    app = make_app(engine, api_key="s3cret")
+
+    async def go():
+        async with http(app) as c:
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+            missing = await c.post("/v1/completions", json=body)
+            wrong = await c.post(
+                "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
+            )
+            models = await c.get("/v1/models")
+            health = await c.get("/health")
+        ok = await openai_client(app, api_key="s3cret").models.list()
+        return missing, wrong, models, health, ok
+
+    missing, wrong, models, health, ok = run(go())
+    for r in (missing, wrong, models):
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert health.status_code == 200
+    assert [m.id for m in ok.data] == [MODEL]
+
+
+def test_models_and_unknown_routes(engine):
+    async def go():
+        async with http(make_app(engine)) as c:
+            return (
+                await c.get("/v1/models"),
+                await c.get(f"/v1/models/{MODEL}"),
+                await c.get("/v1/nope"),
+            )
+
+    models, one, nope = run(go())
+    assert models.json()["data"][0]["id"] == MODEL and one.json()["id"] == MODEL
+    assert nope.status_code == 404 and nope.json()["error"]["type"] == "not_found_error"
+
+
+def test_abandoned_stream_frees_its_sequence(engine):
+    async def go():
+        req = GenerateRequest(SamplingParams(max_tokens=200, ignore_eos=True), prompt="Hello")
+        gen = engine.generate(req)
+        await anext(gen)
+        await anext(gen)
+        await gen.aclose()  # what a client disconnect does
+        for _ in range(100):
+            stats = await engine.stats()
+            if stats["num_running"] == 0:
+                return stats
+            await asyncio.sleep(0.02)
+        return stats
+
+    stats = run(go())
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv"]["used_blocks"] == 0 and stats["drafter_states"] == 0
+
+
+def test_abort_before_admission_keeps_the_request_from_starting(engine):
+    async def go():
+        req = GenerateRequest(SamplingParams(max_tokens=50), prompt="Hello")
+        engine.abort(req.request_id)  # e.g. the client left while its batch was filling
+        (result,) = await engine.admit([req])
+        return result, await engine.stats()
+
+    result, stats = run(go())
+    assert isinstance(result, RequestFailed) and stats["num_running"] == 0
+
+
+def test_a_failed_round_fails_its_requests_and_serving_goes_on(engine):
+    target = engine.engine.target
+    real_verify = target.verify
+    calls = {"n": 0}
+
+    def flaky(batch, proposal):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected verify failure")
+        return real_verify(batch, proposal)
+
+    async def go():
+        async with http(make_app(engine)) as c:
+            failed = await c.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8}
+            )
+            target.verify = real_verify
+            ok = await c.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+            )
+            stats = await engine.stats()
+            return failed, ok, stats
+
+    target.verify = flaky
+    try:
+        failed, ok, stats = run(go())
+    finally:
+        target.verify = real_verify
+    assert (
+        failed.status_code == 500 and "injected verify failure" in failed.json()["error"]["message"]
+    )
+    assert ok.status_code == 200
+    assert stats["failed_rounds"] >= 1 and stats["kv"]["used_blocks"] == 0
+
+
+def test_dead_target_fails_requests_with_503_and_reports_unhealthy(tiny_chat):
+    from ray.exceptions import ActorDiedError
+
+    eng, close = build_engine(EngineOptions(target=str(tiny_chat), mode="ar", kv_cache_tokens=4096))
+    runner = AsyncEngine(eng)
+
+    def dead(batch, proposal):
+        raise ActorDiedError()
+
+    eng.target.verify = dead
+    app = make_app(runner)
+
+    async def go():
+        async with http(app) as c:
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+            return (
+                await c.post("/v1/completions", json=body),
+                await c.post("/v1/completions", json=body),
+                await c.get("/health"),
+            )
+
+    try:
+        first, second, health = run(go())
+    finally:
+        runner.shutdown()
+        close()
+    assert first.status_code == 503 and second.status_code == 503
+    assert health.status_code == 503
+    with pytest.raises(Exception, match="target rank"):
+        runner.check_health()
+
+
+def test_request_failed_maps_to_500():
+    from api.errors import to_api_error
+
+    err = to_api_error(RequestFailed("boom"))
+    assert err.status == 500 and err.body()["error"]["message"] == "boom"
