@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     tdata.add_argument("--batch-size", type=_positive_int, default=16)
     tdata.add_argument("--seed", type=int, default=0)
     tdata.add_argument("--target", default=None)
+    tdrafter = train_sub.add_parser(
+        "drafter", help="train the LongSpark drafter on regenerated data"
+    )
+    from drafter_actor.training.config import add_train_args
+
+    add_train_args(tdrafter)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
@@ -236,6 +242,11 @@ def _cmd_train(args: argparse.Namespace) -> None:
             seed=args.seed,
         )
         print(json.dumps(manifest, indent=2))
+    else:
+        from drafter_actor.training import train_drafter
+        from drafter_actor.training.config import from_args
+
+        print(train_drafter(from_args(args)))
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:

@@ -11,20 +11,16 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+OUR_PACKAGES = {"api", "services", "target_actor", "drafter_actor"}
+
+
 def user_error_message(exc: BaseException) -> str:
-    """One line: the domain message for expected errors, type and message otherwise."""
-    from target_actor.config import TargetConfigError
-
-    from .sampling import InvalidRequest
-
+    """One line: our own errors' message as is (they are written for users), type + message
+    for anything else."""
     exc = unwrap(exc)
-    expected = (TargetConfigError, InvalidRequest, FileNotFoundError)
-    try:
-        from target_actor.checkpoint import ModelFetchError
-
-        expected += (ModelFetchError,)
-    except ImportError:  # pragma: no cover
-        pass
-    text = str(exc) if isinstance(exc, expected) else f"{type(exc).__name__}: {exc}"
+    ours = type(exc).__module__.split(".")[0] in OUR_PACKAGES
+    text = (
+        str(exc) if ours or isinstance(exc, FileNotFoundError) else f"{type(exc).__name__}: {exc}"
+    )
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__

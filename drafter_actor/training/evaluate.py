@@ -1,0 +1,129 @@
+"""Offline greedy acceptance of a trained drafter on held-out recorded sequences.
+
+At random anchors of each held-out response the drafter drafts greedily from the views of
+the recorded prefix (teacher-forced anchors, no carry), and a draft is accepted up to its
+first mismatch with the recorded continuation, which is the target's own greedy output.
+``tau = 1 + mean accepted`` (the bonus token included), the number the engine's greedy
+acceptance length estimates. Cheap: no target forward when the taps are cached. The
+engine benchmark, with real verification rounds and carryover, is separate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from target_actor.config import ModelConfig
+
+from ..config import DrafterConfigError
+from ..drafter import Drafter
+from .carryover import greedy_drafts
+from .config import MAX_K, TrainError
+from .data import Sequence, read_manifest, read_records, split_holdout, to_sequence
+from .tap_cache import TapCache
+from .target_pass import TargetPass
+from .trainer import HOLDOUT, TRAIN_CONFIG, resolve_target_path
+from .views import Anchors, Batch, block_labels, block_logits, build_views, sample_anchors
+
+
+@torch.no_grad()
+def evaluate_tau(
+    drafter_dir: str | Path,
+    data_dir: str | Path,
+    num_seqs: int = 32,
+    k: int | None = None,
+    target: str | None = None,
+    cache_dir: str | Path | None = None,
+    anchors_per_seq: int = 64,
+    seqs_per_batch: int = 4,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Offline greedy acceptance length of the drafter in ``drafter_dir``.
+
+    Sequences: the run's held-out ids (``holdout_ids.json``) if the folder has them, else
+    the ``num_seqs`` records the training split would hold out. Taps come from the run's
+    cache when it has them, else from the target (not stored). Returns ``tau``,
+    ``accepted_at_least`` (fraction of anchors with >= i accepted drafts, i = 1..k),
+    ``num_anchors``, ``num_seqs`` and ``k``.
+    """
+    drafter_dir = Path(drafter_dir)
+    info_path = drafter_dir / TRAIN_CONFIG
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    target_path = resolve_target_path(target or info.get("target_path") or info.get("target"))
+    try:
+        net = Drafter.from_pretrained(drafter_dir, target_path).net
+    except DrafterConfigError as e:
+        raise TrainError(str(e)) from None
+    k = k or net.cfg.block_size
+    if not 1 <= k <= MAX_K:
+        raise TrainError(f"k={k} outside 1..{MAX_K}")
+
+    manifest = read_manifest(data_dir)
+    eos_ids = (
+        manifest.get("eos_token_ids") or ModelConfig.from_pretrained(target_path).eos_token_ids
+    )
+    eos = int(eos_ids[0]) if eos_ids else None
+    max_len = int(info.get("max_len", 768))
+    seqs = [to_sequence(r, max_len, eos) for r in read_records(data_dir, net.cfg.target.vocab_size)]
+    seqs = [s for s in seqs if s.num_anchors > 0]
+    held_path = drafter_dir / HOLDOUT
+    held = json.loads(held_path.read_text()) if held_path.is_file() else None
+    if held is None:
+        held = split_holdout([s.id for s in seqs], num_seqs)[1]
+    by_id = {s.id: s for s in seqs}
+    chosen = [by_id[i] for i in held if i in by_id][:num_seqs]
+    if not chosen:
+        raise TrainError(f"{data_dir}: none of the held-out sequences is there")
+
+    taps = _Taps(target_path, net.cfg.tap_layer_ids, cache_dir or info.get("cache_dir"))
+    gen = torch.Generator().manual_seed(seed)
+    accepted_all = []
+    for start in range(0, len(chosen), seqs_per_batch):
+        group = chosen[start : start + seqs_per_batch]
+        batch = Batch.collate([taps.get(s) for s in group])
+        anchors = Anchors.pad(
+            [sample_anchors(len(s.tokens), s.prompt_len, anchors_per_seq, gen) for s in group]
+        )
+        views = build_views(net, batch, anchors)
+        base = block_logits(net, views, batch, k)
+        drafts = greedy_drafts(net, base, batch.tokens[views.seq, views.pos])
+        labels, valid = block_labels(batch, views, k)
+        full = valid.all(1)
+        accepted_all.append((drafts == labels)[full].long().cumprod(1).sum(1))
+    accepted = torch.cat(accepted_all)
+    if accepted.numel() == 0:
+        raise TrainError("no held-out anchor has k labels: use a smaller k")
+    return {
+        "tau": 1.0 + float(accepted.float().mean()),
+        "accepted_at_least": [float((accepted >= i).float().mean()) for i in range(1, k + 1)],
+        "num_anchors": int(accepted.numel()),
+        "num_seqs": len(chosen),
+        "k": k,
+    }
+
+
+class _Taps:
+    """Cached taps where the cache has the sequence, else the target's (computed lazily)."""
+
+    def __init__(self, target_path: Path, tap_ids: tuple[int, ...], cache_dir: str | None) -> None:
+        self.target_path, self.tap_ids = target_path, tap_ids
+        self.cache: TapCache | None = None
+        self._target: TargetPass | None = None
+        if cache_dir and (Path(cache_dir) / "index.json").is_file():
+            cache = TapCache(cache_dir)
+            if list(cache.meta.get("tap_layer_ids", [])) == list(tap_ids):
+                self.cache = cache
+
+    def get(self, s: Sequence):
+        if self.cache is not None and self.cache.matches(s):
+            return self.cache.get(s.id)
+        if self._target is None:
+            from target_actor.runner import TargetRunner, TargetSpec
+
+            spec = TargetSpec(str(self.target_path), kv_cache_tokens=16, tap_layer_ids=self.tap_ids)
+            self._target = TargetPass(TargetRunner(spec).model)
+        h, kk, vv = self._target.taps([s.tokens])[0]
+        return torch.tensor(s.tokens), h, kk, vv
