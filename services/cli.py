@@ -15,22 +15,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from .cli_types import positive_int as _positive_int
 from .errors import user_error_message
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
         self.exit(2, f"longspark: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:

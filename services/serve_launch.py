@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from .cli_types import positive_int as _positive_int
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "local-cpu.yaml"
 APP_NAME = "longspark"
 DASHBOARD_PORT = 8265
@@ -32,16 +34,6 @@ OVERRIDES = {
     "max_replicas": "max_replicas",
     "api_key": "api_key",
 }
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
