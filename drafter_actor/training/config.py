@@ -125,20 +125,24 @@ class TrainConfig:
         ]
 
 
+ALIASES = {"data_dir": ("--data",)}  # the documented short spelling
+
+
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     """One ``--option`` per ``TrainConfig`` field, with its help string and default."""
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ()))
         help_text = f.metadata.get("help", "")
         if f.type in ("bool", bool):
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                *flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
             continue
         kind = {"int": int, "float": float}.get(str(f.type), str)
         required = f.name in ("data_dir", "out")
         parser.add_argument(
-            flag,
+            *flags,
+            dest=f.name,
             type=kind,
             default=None if required else f.default,
             required=required,
