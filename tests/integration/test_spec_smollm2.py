@@ -53,9 +53,20 @@ def plain_outputs(smollm2_path, chats):
     return [o.token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def spec_engine(smollm2_path):
-    engine, close = build_engine(EngineOptions(mode="spec", drafter="random", k=7, max_num_seqs=8))
+def _drafters() -> list:
+    """The random drafter always; the shipped one too once it exists."""
+    from services.backends import shipped_drafter
+    from target_actor.checkpoint import default_model_dir
+
+    shipped = shipped_drafter(default_model_dir())
+    return ["random"] + ([str(shipped)] if shipped else [])
+
+
+@pytest.fixture(scope="module", params=_drafters())
+def spec_engine(smollm2_path, request):
+    engine, close = build_engine(
+        EngineOptions(mode="spec", drafter=request.param, k=7, max_num_seqs=8)
+    )
     yield engine
     close()
 
