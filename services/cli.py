@@ -119,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_args(tdrafter)
 
+    ev = sub.add_parser("eval", help="evaluate a drafter")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
+    acc = ev_sub.add_parser("acceptance", help="tau per benchmark category, through the engine")
+    acc.add_argument("--drafter", default=None, help="drafter folder (default: shipped)")
+    acc.add_argument("--k", type=_positive_int, default=None)
+    acc.add_argument("--no-carry", action="store_true")
+    acc.add_argument("--per-category", type=_positive_int, default=8)
+    acc.add_argument("--max-tokens", type=_positive_int, default=128)
+    acc.add_argument("--temperatures", default="0,1", help="comma-separated, e.g. 0,1")
+    acc.add_argument("--json", action="store_true", help="print JSON only")
+    acc.add_argument("--target", default=None)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
     dec = bench_sub.add_parser("decode", help="plain decoding tokens/s vs transformers generate")
@@ -240,6 +252,22 @@ def _cmd_train(args: argparse.Namespace) -> None:
         print(train_drafter(from_args(args)))
 
 
+def _cmd_eval(args: argparse.Namespace) -> None:
+    from .eval_acceptance import eval_acceptance
+
+    temps = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
+    report = eval_acceptance(
+        args.drafter,
+        args.k,
+        not args.no_carry,
+        args.per_category,
+        args.max_tokens,
+        temps,
+        target=args.target,
+    )
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
     if args.bench_command == "decode":
         from .benchmarks.decode import run_decode_bench
@@ -276,6 +304,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "bench": _cmd_bench,
     "data": _cmd_data,
     "train": _cmd_train,
+    "eval": _cmd_eval,
 }
 
 
