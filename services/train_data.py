@@ -125,7 +125,6 @@ def generate_training_data(
             plan, skipped = _plan(pool, num_prompts, engine, max_tokens)
             manifest = {
                 **settings,
-                "model_path": str(path),
                 "vocab_size": engine.cfg.vocab_size,
                 "eos_token_ids": list(engine.eos),
                 "num_prompts": num_prompts,
