@@ -1,18 +1,25 @@
 """Every failure becomes an OpenAI-shaped error here, and only here.
 
-``{"error": {"message", "type", "param", "code"}}`` with the status that fits:
+``{"error": {"message", "type", "param", "code"}, "request_id": ...}`` with the status that
+fits (``request_id`` is the one echoed in ``X-Request-Id``; see ``api.request_id``). Every
+429 and 503 carries ``Retry-After`` (seconds).
 
 ======================================================  ======  ========================
 cause                                                   status  type / code
 ======================================================  ======  ========================
 malformed JSON, wrong types, missing fields (pydantic)  400     invalid_request_error
 bad setting (``InvalidRequest``), unsupported field     400     invalid_request_error
-prompt longer than the context (``TargetConfigError``)  400     ... / context_length_exceeded
+max_tokens over the server's cap                        400     ... / invalid_value
+prompt over the context or the server's prompt limit    400     ... / context_length_exceeded
 missing or wrong API key                                401     authentication_error
 unknown model, unknown route                            404     not_found_error
 body over the size limit                                413     request_too_large
-too many queued requests (Serve back-pressure)          429     rate_limit_exceeded
-replica lost a target rank, no replica available        503     service_unavailable
+too many queued requests (Serve back-pressure, engine   429     rate_limit_exceeded /
+waiting queue full: ``EngineOverloaded``)                       server_busy
+waited in the queue too long (``QueueTimeout``)         503     service_unavailable /
+                                                                queue_timeout
+shutting down (draining after SIGTERM)                  503     ... / shutting_down
+replica lost a target rank, no replica available        503     ... / replica_unavailable
 anything else                                           500     internal_error
 ======================================================  ======  ========================
 
@@ -34,15 +41,19 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.async_engine import EngineDeadError, RequestFailed
+from services.async_engine import EngineDeadError, EngineOverloaded, QueueTimeout, RequestFailed
 from services.errors import unwrap, user_error_message
 from services.sampling import InvalidRequest
 from services.serve_drafter import DrafterUnavailable
 from target_actor.config import TargetConfigError
 
-from .protocol import ErrorInfo, ErrorResponse
+from . import request_id
+from .protocol import ErrorInfo
 
 log = logging.getLogger("longspark.api")
+
+RETRY_AFTER_BUSY_S = 1  # 429: the queue is full now; it drains quickly
+RETRY_AFTER_UNAVAILABLE_S = 5  # 503: a replica is being replaced, or the server drains
 
 
 class APIError(Exception):
@@ -55,6 +66,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -64,10 +76,18 @@ class APIError(Exception):
             param,
             code,
         )
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return ErrorResponse(error=info).model_dump()
+        out: dict[str, Any] = {"error": info.model_dump()}
+        rid = request_id.current()
+        if rid is not None:
+            out["request_id"] = rid
+        return out
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
 
 def not_found(message: str, param: str | None = None) -> APIError:
@@ -81,6 +101,22 @@ def unauthorized(message: str) -> APIError:
 def too_large(limit: int) -> APIError:
     message = f"the request body is over {limit} bytes"
     return APIError(413, message, "invalid_request_error", None, "request_too_large")
+
+
+def busy(message: str) -> APIError:
+    return APIError(
+        429, message, "rate_limit_exceeded", None, "server_busy", retry_after=RETRY_AFTER_BUSY_S
+    )
+
+
+def unavailable(message: str, code: str) -> APIError:
+    return APIError(
+        503, message, "service_unavailable", None, code, retry_after=RETRY_AFTER_UNAVAILABLE_S
+    )
+
+
+def shutting_down() -> APIError:
+    return unavailable("the server is shutting down; retry on another replica", "shutting_down")
 
 
 def _validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -102,20 +138,21 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, (ValidationError, RequestValidationError)):
         return _validation_error(list(exc.errors()))
     if isinstance(exc, BackPressureError):
-        return APIError(
-            429, "the server is busy; retry later", "rate_limit_exceeded", None, "server_busy"
-        )
+        return busy("the server is busy; retry later")
     cause = unwrap(exc)
     message = user_error_message(cause)
     if isinstance(cause, InvalidRequest):
         return APIError(400, message, param=cause.param, code="invalid_value")
     if isinstance(cause, TargetConfigError):
         return APIError(400, message, code="context_length_exceeded")
+    if isinstance(cause, EngineOverloaded):
+        return busy(message)
+    if isinstance(cause, QueueTimeout):
+        return unavailable(message, "queue_timeout")
     if isinstance(cause, (EngineDeadError, DeploymentUnavailableError, DrafterUnavailable)):
-        return APIError(503, str(cause), "service_unavailable", None, "replica_unavailable")
+        return unavailable(str(cause), "replica_unavailable")
     if isinstance(cause, RayActorError) or isinstance(exc, RayActorError):
-        message = "the model replica went away; retry"
-        return APIError(503, message, "service_unavailable", None, "replica_unavailable")
+        return unavailable("the model replica went away; retry", "replica_unavailable")
     if isinstance(cause, RequestFailed):
         return APIError(500, str(cause), "internal_error", None, "engine_error")
     log.error("unexpected error: %s", message, exc_info=exc)
@@ -124,7 +161,9 @@ def to_api_error(exc: BaseException) -> APIError:
 
 def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> JSONResponse:
     err = to_api_error(exc)
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return JSONResponse(
+        err.body(), status_code=err.status, headers={**err.headers(), **(headers or {})}
+    )
 
 
 def sse_error(exc: BaseException) -> str:
@@ -143,7 +182,7 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code, "invalid_request_error"
         )
         err = APIError(exc.status_code, str(exc.detail), kind)
-        return JSONResponse(err.body(), status_code=err.status, headers=exc.headers)
+        return error_response(err, headers=exc.headers)
 
     app.add_exception_handler(APIError, handle)
     app.add_exception_handler(RequestValidationError, handle)

@@ -40,6 +40,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
 }
 
+GREEDY_BELOW = 1e-5  # a temperature this small would overflow the logits: decode greedily
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
@@ -99,13 +104,25 @@ class _Request(BaseModel):
         """Validated sampling settings (``InvalidRequest`` names the offending field)."""
         self.check_supported()
         stop = self.stop if self.stop is not None else []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if len(stop) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise InvalidRequest(
+                f"stop takes at most {MAX_STOP_SEQUENCES} strings of at most "
+                f"{MAX_STOP_CHARS} characters",
+                "stop",
+            )
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise InvalidRequest("seed must fit in 64 bits", "seed")
+        temperature = 1.0 if self.temperature is None else float(self.temperature)
+        if 0.0 < temperature < GREEDY_BELOW:
+            temperature = 0.0
         return SamplingParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-            temperature=1.0 if self.temperature is None else float(self.temperature),
+            temperature=temperature,
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed,
-            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop=stop,
             ignore_eos=bool(self.ignore_eos),
         )
 
@@ -287,3 +304,4 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+    request_id: str | None = Field(None, description="the id echoed in X-Request-Id")

@@ -13,10 +13,11 @@ stream. A client that goes away cancels the stream, which aborts the request.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.async_engine import GenerateRequest
+from services.sampling import InvalidRequest, SamplingParams
 from services.sequence import RequestOutput, SpecStats
 
 from .errors import not_found, sse_error
@@ -53,11 +54,19 @@ class EngineClient(Protocol):
 class ServingSettings:
     model_name: str
     mode: str = "spec"  # reported in the `longspark` extras
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # one key; see ``keys``
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # more keys (rotation)
     max_request_bytes: int = 4 << 20
     completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
     chat_max_tokens: int = 512  # when a chat request sets no max_tokens
+    max_tokens_limit: int | None = None  # a request asking for more gets a 400
+    cors_origins: tuple[str, ...] = ()  # empty: no CORS headers (browsers refuse)
     debug_routes: bool = True
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted API key (empty: auth off)."""
+        return tuple(k for k in (self.api_key, *self.api_keys) if k)
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -115,10 +124,22 @@ class OpenAIServing:
             mean_accepted_length=round(s.mean_accepted_length, 3),
         )
 
+    def sampling_params(
+        self, req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int
+    ) -> SamplingParams:
+        """The request's settings, ``max_tokens`` held to the server's cap."""
+        limit = self.settings.max_tokens_limit
+        if limit is not None:
+            default_max_tokens = min(default_max_tokens, limit)
+        params = req.sampling_params(default_max_tokens)
+        if limit is not None and params.max_tokens > limit:
+            raise InvalidRequest(f"max_tokens must be at most {limit} on this server", "max_tokens")
+        return params
+
     # -- endpoints ------------------------------------------------------------------
     async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
-        params = req.sampling_params(self.settings.completion_max_tokens)
+        params = self.sampling_params(req, self.settings.completion_max_tokens)
         greq = GenerateRequest(params, prompt=req.single_prompt(), request_id=new_id("cmpl"))
         outputs, first = await self._start(greq)
         if req.stream:
@@ -137,7 +158,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
-        params = req.sampling_params(self.settings.chat_max_tokens)
+        params = self.sampling_params(req, self.settings.chat_max_tokens)
         greq = GenerateRequest(
             params, messages=req.template_messages(), request_id=new_id("chatcmpl")
         )

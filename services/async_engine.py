@@ -14,6 +14,12 @@ serving the others. If a target rank died (a ``RayActorError`` escapes the round
 failures are absorbed by ``services.serve_drafter``), the engine is dead: every request
 fails with :class:`EngineDeadError` and :meth:`AsyncEngine.check_health` raises, so Ray
 Serve replaces the replica.
+
+Limits (:class:`EngineLimits`) keep a busy replica from queueing without bound: a prompt
+over ``max_prompt_tokens`` is refused (``TargetConfigError``), a request arriving while
+``max_waiting`` requests already wait is refused (:class:`EngineOverloaded`), and one
+still waiting for a running slot ``queue_timeout_s`` after it reached the server (its
+``arrival_time``, stamped by the ingress) is dropped with :class:`QueueTimeout`.
 """
 
 from __future__ import annotations
@@ -22,16 +28,19 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from target_actor.config import TargetConfigError
+
 from .engine import Engine
 from .errors import unwrap, user_error_message
 from .sampling import InvalidRequest, SamplingParams
-from .sequence import RequestOutput
+from .sequence import RequestOutput, SeqStatus
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("longspark.async_engine")
@@ -45,6 +54,30 @@ class RequestFailed(RuntimeError):
     """A round failed while running this request (the engine itself keeps serving)."""
 
 
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full: the request is refused now (retry later)."""
+
+
+class QueueTimeout(RuntimeError):
+    """The request waited for a running slot longer than the queue time-out."""
+
+
+@dataclass
+class EngineLimits:
+    """What one engine takes at once; ``None`` = no limit."""
+
+    max_prompt_tokens: int | None = None  # longer prompts are refused
+    max_waiting: int | None = None  # requests waiting for a running slot, at most
+    queue_timeout_s: float | None = None  # waiting longer (since arrival) fails the request
+
+    def check_prompt(self, num_tokens: int) -> None:
+        if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
+            raise TargetConfigError(
+                f"the prompt has {num_tokens} tokens; this server accepts at most "
+                f"{self.max_prompt_tokens}"
+            )
+
+
 @dataclass
 class GenerateRequest:
     """One request for the engine: a raw prompt, token ids or chat messages, and sampling."""
@@ -53,6 +86,7 @@ class GenerateRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival_time: float = field(default_factory=time.time)  # wall clock: queue time-out
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -108,13 +142,21 @@ class AsyncEngine:
     :meth:`admit` and reads each request with :meth:`stream`.
     """
 
-    def __init__(self, engine: Engine, extra_stats: Callable[[], dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        extra_stats: Callable[[], dict[str, Any]] | None = None,
+        limits: EngineLimits | None = None,
+    ):
         self.engine = engine
         self.tok: Tokenizer = engine.tok
+        self.limits = limits or EngineLimits()
         self._extra_stats = extra_stats
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._early_aborts: set[str] = set()  # engine thread only: aborted before admission
+        self._deadlines: dict[str, float] = {}  # engine thread only: waiting -> time-out
+        self.num_overloaded = self.num_queue_timeouts = 0
         self._dead: EngineDeadError | None = None
         self._stop = threading.Event()
         self.num_failed_rounds = 0
@@ -130,6 +172,7 @@ class AsyncEngine:
         for req in requests:
             try:
                 ids = encode_request(self.tok, req)
+                self.limits.check_prompt(len(ids))
             except Exception as exc:  # noqa: BLE001 - returned to that request alone
                 results.append(exc)
                 continue
@@ -214,6 +257,7 @@ class AsyncEngine:
         while not self._stop.is_set():
             busy = engine.has_unfinished() and self._dead is None
             self._drain(block=not busy)
+            self._expire_waiting()
             if self._dead is not None or not engine.has_unfinished():
                 continue
             try:
@@ -258,12 +302,52 @@ class AsyncEngine:
         if req.request_id in self._early_aborts:
             self._early_aborts.discard(req.request_id)
             return RequestFailed("the request was cancelled before it started")
+        limits = self.limits
+        if (
+            limits.max_waiting is not None
+            and len(self.engine.scheduler.waiting) >= limits.max_waiting
+        ):
+            self.num_overloaded += 1
+            return EngineOverloaded(
+                f"the server is busy ({limits.max_waiting} requests already wait); retry later"
+            )
+        deadline = None
+        if limits.queue_timeout_s is not None:
+            deadline = req.arrival_time + limits.queue_timeout_s
+            if time.time() > deadline:  # it spent its time in a queue in front of this one
+                self.num_queue_timeouts += 1
+                return self._queue_timeout()
         try:
             self.engine.add_request(ids, req.params, req.request_id, on_output)
         except Exception as exc:  # noqa: BLE001 - InvalidRequest, TargetConfigError...
             return exc
         self._streams[req.request_id] = stream
+        if deadline is not None:
+            self._deadlines[req.request_id] = deadline
         return None
+
+    def _queue_timeout(self) -> QueueTimeout:
+        return QueueTimeout(
+            f"the request waited over {self.limits.queue_timeout_s:g}s for a slot; retry later"
+        )
+
+    def _expire_waiting(self) -> None:
+        """Fail requests still waiting past their deadline (running ones are safe)."""
+        if not self._deadlines:
+            return
+        now = time.time()
+        for request_id, deadline in list(self._deadlines.items()):
+            seq = self.engine.requests.get(request_id)
+            if seq is None or seq.status is not SeqStatus.WAITING:
+                del self._deadlines[request_id]
+            elif now > deadline:
+                del self._deadlines[request_id]
+                self.num_queue_timeouts += 1
+                log.warning("request %s timed out in the waiting queue", request_id)
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put(self._queue_timeout())
+                self.engine.abort(request_id)
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -322,6 +406,8 @@ class AsyncEngine:
             "kv_reserved_tokens": engine.scheduler.reserved_tokens,
             "engine": engine.stats.summary(),
             "failed_rounds": self.num_failed_rounds,
+            "overloaded": self.num_overloaded,
+            "queue_timeouts": self.num_queue_timeouts,
             "drafter_states": None,
         }
         if engine.drafter is not None:

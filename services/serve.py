@@ -10,7 +10,8 @@
   back (the ingress answers 429). ``check_health`` fails once a target rank died, so
   Serve replaces the replica.
 * :class:`IngressDeployment`: the FastAPI app of :mod:`api` over a
-  :class:`ServeEngineClient` (the engine deployment's handle).
+  :class:`ServeEngineClient` (the engine deployment's handle). It drains when the
+  launcher says so (``services.serve_drain``): 503 for new requests, in-flight ones finish.
 
 ``build_app(args)`` is the app builder for ``serve run deploy/local-cpu.yaml`` (import
 path ``services.serve:build_app``) and for ``longspark serve``.
@@ -23,6 +24,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from ray import serve
@@ -30,12 +32,14 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from api.app import create_app
+from api.lifecycle import Lifecycle
 from api.serving import OpenAIServing, ServingSettings
 from target_actor.worker import TargetGroup
 
-from .async_engine import AsyncEngine, GenerateRequest, RequestStream
+from .async_engine import AsyncEngine, EngineLimits, GenerateRequest, RequestStream
 from .sequence import RequestOutput
 from .serve_config import ServeArgs
+from .serve_drain import find_signal
 from .serve_engine import build_replica_engine
 from .serve_metrics import EngineMetrics
 
@@ -55,7 +59,12 @@ class EngineDeployment:
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = ServeArgs.model_validate(args)
         engine, self._close, self.drafter = build_replica_engine(self.args)
-        self.engine = AsyncEngine(engine, extra_stats=self._replica_stats)
+        limits = EngineLimits(
+            max_prompt_tokens=self.args.max_prompt_tokens,
+            max_waiting=self.args.max_waiting_seqs,
+            queue_timeout_s=self.args.queue_timeout_s,
+        )
+        self.engine = AsyncEngine(engine, extra_stats=self._replica_stats, limits=limits)
         self._admit.set_max_batch_size(self.args.admit_batch_size)
         self._admit.set_batch_wait_timeout_s(self.args.admit_batch_wait_s)
         self.metrics = EngineMetrics(self.args.model_name or "")
@@ -155,14 +164,37 @@ class IngressDeployment:
         settings = ServingSettings(
             model_name=a.model_name or "",
             mode=a.mode,
-            api_key=a.api_key,
+            api_keys=tuple(a.api_keys),
             max_request_bytes=a.max_request_bytes,
+            max_tokens_limit=a.max_tokens_limit,
+            cors_origins=tuple(a.cors_origins),
             debug_routes=a.debug_routes,
         )
         self.serving = OpenAIServing(ServeEngineClient(engine), settings)
+        self.lifecycle = Lifecycle()
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_app(self.serving)
+        @asynccontextmanager
+        async def lifespan(app: Any) -> AsyncIterator[None]:
+            watcher = asyncio.get_running_loop().create_task(self._drain_when_told())
+            yield
+            watcher.cancel()
+
+        # Serve's proxy already echoes X-Request-Id (the same id this app logs and returns)
+        return create_app(self.serving, self.lifecycle, lifespan, echo_request_id=False)
+
+    async def _drain_when_told(self) -> None:
+        context = serve.get_replica_context()
+        signal = find_signal(context.app_name)
+        if signal is None:
+            return
+        grace_s = await signal.wait.remote()
+        self.lifecycle.drain()
+        log.warning(
+            "draining: %d requests in flight, %gs to finish", self.lifecycle.in_flight, grace_s
+        )
+        idle = await self.lifecycle.wait_idle(grace_s)
+        await signal.report.remote(context.replica_tag, idle)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -176,7 +208,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         max_queued_requests=cfg.max_queued_requests,
         health_check_period_s=5.0,
         health_check_timeout_s=60.0,
-        graceful_shutdown_timeout_s=120.0,
+        graceful_shutdown_timeout_s=max(120.0, cfg.shutdown_grace_s + 10.0),
     )
     if cfg.max_replicas > cfg.min_replicas:
         engine_options["autoscaling_config"] = cfg.autoscaling()

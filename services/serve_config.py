@@ -18,6 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 log = logging.getLogger("longspark.serve")
 
 API_KEY_ENV = "LONGSPARK_API_KEY"
+API_KEY_FILE_ENV = "LONGSPARK_API_KEY_FILE"
+
+
+def split_keys(text: str | None) -> list[str]:
+    """Keys from a comma-separated string or a key file (one per line, ``#`` comments)."""
+    keys = []
+    for line in (text or "").replace(",", "\n").splitlines():
+        key = line.split("#", 1)[0].strip()
+        if key:
+            keys.append(key)
+    return keys
 
 
 class ServeArgs(BaseModel):
@@ -84,9 +95,38 @@ class ServeArgs(BaseModel):
         0.002, ge=0, description="@serve.batch: how long an admission batch waits to fill"
     )
 
+    # limits (requests over them get a 4xx/5xx at once, never an unbounded queue)
+    max_tokens_limit: int | None = Field(
+        4096, ge=1, description="max_tokens a request may ask for (more: 400); None = no cap"
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="longer prompts get 400 (None: the model's context)"
+    )
+    max_waiting_seqs: int | None = Field(
+        128, ge=1, description="requests waiting in one engine for a running slot (more: 429)"
+    )
+    queue_timeout_s: float | None = Field(
+        60.0, gt=0, description="a request not running this long after arrival gets 503"
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM: how long in-flight requests may take to finish"
+    )
+
     # HTTP
     api_key: str | None = Field(
-        None, description=f"bearer token required on /v1 (default: ${API_KEY_ENV}; none = open)"
+        None,
+        repr=False,
+        description=f"bearer token(s) required on /v1, comma-separated (default: ${API_KEY_ENV};"
+        " none = open)",
+    )
+    api_key_file: str | None = Field(
+        None, description=f"file of accepted keys, one per line (default: ${API_KEY_FILE_ENV})"
+    )
+    api_keys: list[str] = Field(
+        default_factory=list, repr=False, description="every accepted key (set by resolved())"
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list, description="origins allowed by CORS (empty: CORS off)"
     )
     max_request_bytes: int = Field(4 << 20, ge=1024, description="bigger bodies get 413")
     debug_routes: bool = Field(True, description="GET /debug/engine: engine accounting")
@@ -109,10 +149,17 @@ class ServeArgs(BaseModel):
 
         path = resolve_target(self.target)
         ModelConfig.from_pretrained(path).check_tp(self.tp)
+        api_key = self.api_key or os.environ.get(API_KEY_ENV) or None
+        key_file = self.api_key_file or os.environ.get(API_KEY_FILE_ENV) or None
+        keys = [*self.api_keys, *split_keys(api_key)]
+        if key_file is not None:
+            keys += split_keys(Path(key_file).read_text())
         update: dict[str, Any] = {
             "target": str(path),
             "model_name": self.model_name or path.name,
-            "api_key": self.api_key or os.environ.get(API_KEY_ENV) or None,
+            "api_key": api_key,
+            "api_key_file": key_file,
+            "api_keys": list(dict.fromkeys(keys)),
         }
         if self.mode == "spec" and self.drafter is None:
             shipped = shipped_drafter(path)

@@ -1,5 +1,9 @@
 """``longspark serve``: start a local Ray, deploy the app, serve until Ctrl-C / SIGTERM.
 
+SIGTERM drains first: new requests get 503 (``Retry-After``), in-flight ones finish within
+``--grace-period`` seconds, then Serve and Ray shut down and the process exits. A second
+SIGTERM, or Ctrl-C, stops at once.
+
 The defaults are the app ``args`` and ``http_options`` of ``deploy/local-cpu.yaml`` (the
 file ``serve run deploy/local-cpu.yaml`` deploys), so ``make serve`` and ``serve run``
 start the same service; command-line options override them. Without a trained drafter
@@ -13,6 +17,7 @@ import math
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,10 @@ OVERRIDES = {
     "min_replicas": "min_replicas",
     "max_replicas": "max_replicas",
     "api_key": "api_key",
+    "api_key_file": "api_key_file",
+    "cors_origin": "cors_origins",
+    "grace_period": "shutdown_grace_s",
+    "max_tokens_limit": "max_tokens_limit",
 }
 
 
@@ -44,8 +53,33 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (default: $LONGSPARK_API_KEY; unset = open)",
+        help="require 'Authorization: Bearer KEY'; several comma-separated "
+        "(default: $LONGSPARK_API_KEY; unset = open)",
     )
+    http.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file of accepted keys, one per line (default: $LONGSPARK_API_KEY_FILE)",
+    )
+    http.add_argument(
+        "--cors-origin",
+        action="append",
+        default=None,
+        help="allow this browser origin (repeatable; default: CORS off)",
+    )
+    http.add_argument(
+        "--grace-period",
+        type=float,
+        default=None,
+        help="on SIGTERM, seconds in-flight requests may take to finish (default: 30)",
+    )
+    http.add_argument(
+        "--max-tokens-limit",
+        type=_positive_int,
+        default=None,
+        help="largest max_tokens a request may ask for (default: 4096)",
+    )
+    http.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     model = p.add_argument_group("model and engine")
     model.add_argument("--target", default=None, help="local HF folder (default: SmolLM2-135M)")
     model.add_argument("--tp", type=_positive_int, default=None, help="target TP degree")
@@ -109,6 +143,7 @@ def run_server(args: argparse.Namespace) -> None:
 
     from .serve import build_app
     from .serve_config import ServeArgs
+    from .serve_drain import create_signal
 
     app_args, host, port = settings_from(args)
     if app_args.get("target") is None:
@@ -128,7 +163,7 @@ def run_server(args: argparse.Namespace) -> None:
     app_args = cfg.model_dump()
     bundle_cpus = sum(b.get("CPU", 0) for b in cfg.bundles())
     num_cpus = max(os.cpu_count() or 1, math.ceil(bundle_cpus * cfg.max_replicas) + 1)
-    dashboard = _dashboard_available()
+    dashboard = _dashboard_available() and not getattr(args, "no_dashboard", False)
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=dashboard,
@@ -136,12 +171,13 @@ def run_server(args: argparse.Namespace) -> None:
         dashboard_port=DASHBOARD_PORT,
         namespace="serve",
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, force = threading.Event(), threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: (force if stop.is_set() else stop).set())
     try:
         serve.start(
             http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"}
         )
+        drain_signal = create_signal(APP_NAME)
         print(f"Deploying {cfg.model_name} (this loads the model in each replica)...", flush=True)
         serve.run(
             build_app(app_args),
@@ -152,12 +188,26 @@ def run_server(args: argparse.Namespace) -> None:
         _print_banner(cfg, host, port, dashboard)
         while not stop.wait(1.0):
             pass
+        _drain(drain_signal, cfg.shutdown_grace_s, cfg.ingress_replicas, force)
     except KeyboardInterrupt:
         pass
     finally:
         print("Shutting down...", flush=True)
         serve.shutdown()
         ray.shutdown()
+
+
+def _drain(drain_signal: Any, grace_s: float, replicas: int, force: threading.Event) -> None:
+    """Stop admitting and wait (at most ``grace_s``) for in-flight requests to finish."""
+    import ray
+
+    print(f"SIGTERM: draining (in-flight requests get up to {grace_s:g}s)...", flush=True)
+    ray.get(drain_signal.drain.remote(grace_s))
+    deadline = time.monotonic() + grace_s + 5.0
+    while time.monotonic() < deadline and not force.is_set():
+        if ray.get(drain_signal.num_reports.remote()) >= replicas:
+            return
+        force.wait(0.2)
 
 
 def _print_banner(cfg: Any, host: str, port: int, dashboard: bool) -> None:
