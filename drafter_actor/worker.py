@@ -78,6 +78,10 @@ class DrafterWorker:
     ) -> Proposal:
         return self.drafter.propose(requests, k, updates)
 
+    def update(self, updates: list[RoundUpdate]) -> None:
+        """Take a round's updates without drafting (the engine ran a plain round)."""
+        self.drafter.apply_updates(updates)
+
     def free(self, seq_ids: list[int]) -> None:
         self.drafter.free(seq_ids)
 
@@ -108,6 +112,9 @@ class LocalDrafter:
         self, requests: list[DraftRequest], k: int, updates: list[RoundUpdate] | None = None
     ) -> Proposal:
         return self.worker.propose(requests, k, updates)
+
+    def update(self, updates: list[RoundUpdate]) -> None:
+        self.worker.update(updates)
 
     def free(self, seq_ids: list[int]) -> None:
         self.worker.free(seq_ids)
@@ -160,6 +167,10 @@ class RayDrafter:
 
     def propose(self, requests: list[DraftRequest], k: int, updates: Any = None) -> Any:
         return self.actor.propose.remote(requests, k, updates)
+
+    def update(self, updates: Any) -> None:
+        """Fire and forget: the actor applies it before the next call (actor order)."""
+        self.actor.update.remote(updates)
 
     def free(self, seq_ids: list[int]) -> None:
         self.actor.free.remote(seq_ids)

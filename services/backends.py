@@ -29,6 +29,7 @@ class EngineOptions:
     mode: str = "spec"  # "spec" | "ar"
     drafter: str | None = None  # folder, "random", or None = the shipped one for the target
     k: int | None = None
+    adaptive: bool = True  # per-round k from measured acceptance and cost (False: always k)
     carry: bool = True
     backend: str = "local"  # "local" | "ray"
     max_num_seqs: int = 32
@@ -90,7 +91,12 @@ def build_engine(opts: EngineOptions) -> tuple[Engine, Callable[[], None]]:
         target,
         Tokenizer(path),
         drafter,
-        EngineConfig(k=k, max_num_seqs=opts.max_num_seqs, drafter_name=drafter_path or ""),
+        EngineConfig(
+            k=k,
+            max_num_seqs=opts.max_num_seqs,
+            drafter_name=drafter_path or "",
+            adaptive=opts.adaptive,
+        ),
     )
 
     def close() -> None:

@@ -30,6 +30,7 @@ from .metrics import EngineStats
 from .sampling import InvalidRequest, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, SeqStatus, Sequence
+from .spec_policy import SpecPolicy
 from .stopping import StopChecker
 from .tokenizer import Tokenizer
 
@@ -42,6 +43,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_prefill_seqs: int = 8
     drafter_name: str = ""  # for reports: a folder, "random", or "" in plain mode
+    adaptive: bool = False  # pick each round's k (0 = plain) from measured acceptance and cost
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.max_num_seqs < 1 or self.max_prefill_seqs < 1:
@@ -77,6 +79,12 @@ class Engine:
         # A fault-tolerant drafter handle (``services.serve_drafter``) may lose sequences'
         # state when its actor dies: ``drafting(seq_id)`` is then False and they go on plain.
         self._drafting: Callable[[int], bool] = getattr(drafter, "drafting", lambda seq_id: True)
+        # Adaptive k needs a drafter that can take a plain round's updates without drafting.
+        self.policy = (
+            SpecPolicy(self.config.k)
+            if drafter is not None and self.config.adaptive and hasattr(drafter, "update")
+            else None
+        )
         if drafter is not None:
             target.set_summary_queries(drafter.summary_queries())
 
@@ -135,7 +143,8 @@ class Engine:
         if not running:
             return
         t0 = time.perf_counter()
-        num_draft = [self._num_draft(s) for s in running]
+        k = self.policy.choose(len(running)) if self.policy else self.config.k
+        num_draft = [self._num_draft(s, k) for s in running]
         batch = VerifyBatch(
             [s.seq_id for s in running],
             [s.anchor for s in running],
@@ -151,9 +160,13 @@ class Engine:
             proposal = self.drafter.propose(requests, max(num_draft), self._updates)
             if proposal is None:  # the drafter failed this round: verify zero drafts
                 num_draft = batch.num_draft = [0] * len(running)
+        elif self.drafter is not None and self._updates is not None and self.policy:
+            self.drafter.update(self._updates)  # a plain round: keep the drafter's views current
         t1 = time.perf_counter()
         result, self._updates = self.target.verify(batch, proposal)
         t2 = time.perf_counter()
+        if self.policy:
+            self.policy.observe(num_draft, result.num_accepted, t1 - t0, t2 - t1)
         self._commit(running, result, num_draft)
         self.stats.observe_round(
             draft_s=t1 - t0,
@@ -163,11 +176,11 @@ class Engine:
             num_accepted=result.num_accepted,
         )
 
-    def _num_draft(self, seq: Sequence) -> int:
+    def _num_draft(self, seq: Sequence, k: int) -> int:
         """Drafts worth verifying: never past max_tokens or the context (0 = plain step)."""
         if self.drafter is None or not self._drafting(seq.seq_id):
             return 0
-        return max(0, min(self.config.k, seq.remaining - 1, self.max_len - seq.total_len - 1))
+        return max(0, min(k, seq.remaining - 1, self.max_len - seq.total_len - 1))
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         if not seqs:

@@ -28,7 +28,13 @@ def eval_acceptance(
 ) -> dict[str, Any]:
     engine, close = build_engine(
         EngineOptions(
-            target=target, mode="spec", drafter=drafter, k=k, carry=carry, max_num_seqs=batch_size
+            target=target,
+            mode="spec",
+            drafter=drafter,
+            k=k,
+            adaptive=False,  # tau at a fixed k: every round drafts
+            carry=carry,
+            max_num_seqs=batch_size,
         )
     )
     try:

@@ -65,7 +65,7 @@ def _drafters() -> list:
 @pytest.fixture(scope="module", params=_drafters())
 def spec_engine(smollm2_path, request):
     engine, close = build_engine(
-        EngineOptions(mode="spec", drafter=request.param, k=7, max_num_seqs=8)
+        EngineOptions(mode="spec", drafter=request.param, k=7, adaptive=False, max_num_seqs=8)
     )
     yield engine
     close()

@@ -1,0 +1,139 @@
+"""How many tokens to draft this round: speculate only where it pays.
+
+Speculation trades target work for fewer rounds. At C=1 a verify block of k+1 tokens costs
+about one decode step (memory-bound), so drafting pays whenever anything is accepted; at
+high batch sizes the verify forward is compute-bound and k+1 tokens per sequence cost up
+to k+1 times a plain step, so drafting loses unless acceptance is high. vLLM and SGLang
+leave this to the user (a fixed ``k``, or "disable speculation above batch size N"); here
+the engine measures both sides and picks, every round,
+
+    k* = argmax_{0 <= k <= k_max}  B * E[tokens | k] / (draft_s(B, k) + verify_s(B * (k+1)))
+
+with ``E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} alpha_j`` from the per-position
+acceptance rates ``alpha_j`` seen so far (DSpark's view of the block: each position is
+accepted only if every earlier one was), and both costs from linear models fitted online
+to the measured rounds (``seconds ~ a + b * rows``, exponentially forgotten so they follow
+load and context changes). ``k = 0`` is a plain decoding round. The policy never changes
+what is generated, only how fast: verification stays lossless for any ``k``.
+
+It explores a little so its estimates stay fresh: every ``explore_every`` rounds it runs
+the alternative (one full-length draft while speculation is off, one plain round while it
+is on), so a drop in acceptance or a change in cost is noticed within a few dozen rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LinearCost:
+    """``seconds ~ a + b * rows``, least squares with exponential forgetting."""
+
+    decay: float = 0.97
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, rows: float, seconds: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+
+    @property
+    def known(self) -> bool:
+        return self.n > 0
+
+    def predict(self, rows: float) -> float:
+        """Seconds for ``rows``; a flat cost until two different row counts were seen."""
+        if self.n <= 0:
+            return 0.0
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mean_x * mean_x
+        if var <= 1e-9 * max(1.0, mean_x * mean_x):
+            return mean_y
+        b = max(0.0, (self.sxy / self.n - mean_x * mean_y) / var)  # never cheaper for more rows
+        a = max(0.0, mean_y - b * mean_x)
+        return a + b * rows
+
+
+@dataclass
+class SpecPolicy:
+    """Chooses each round's draft length from measured acceptance and costs."""
+
+    k_max: int
+    explore_every: int = 32
+    decay: float = 0.995  # forgetting of the acceptance counts, per observed sequence-round
+    prior_accept: float = 0.5  # acceptance assumed before any evidence (weight 1 trial)
+    verify: LinearCost = field(default_factory=LinearCost)
+    draft: LinearCost = field(default_factory=LinearCost)
+    trials: list[float] = field(default_factory=list)
+    accepts: list[float] = field(default_factory=list)
+    since_other: int = 0  # rounds since the mode not chosen last was tried
+    last_k: int = -1
+
+    def __post_init__(self) -> None:
+        if self.k_max < 1:
+            raise ValueError("k_max must be >= 1")
+        self.trials = [0.0] * self.k_max
+        self.accepts = [0.0] * self.k_max
+
+    # -- estimates ------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """``alpha_j``: P(draft ``j`` accepted | drafts ``1..j-1`` accepted), j = 1..k_max."""
+        p = self.prior_accept
+        return [(a + p) / (t + 1.0) for a, t in zip(self.accepts, self.trials, strict=True)]
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one sequence commits in a round with ``k`` drafts (the bonus included)."""
+        total, run = 1.0, 1.0
+        for alpha in self.acceptance()[:k]:
+            run *= alpha
+            total += run
+        return total
+
+    def round_seconds(self, batch: int, k: int) -> float:
+        drafting = self.draft.predict(batch * (k + 1)) if k else 0.0
+        return drafting + self.verify.predict(batch * (k + 1))
+
+    # -- the decision ---------------------------------------------------------------------
+    def choose(self, batch: int) -> int:
+        """Draft length for a round of ``batch`` sequences (0 = plain)."""
+        if not (self.verify.known and self.draft.known):
+            k = self.k_max  # nothing measured yet: speculate, which measures both
+        else:
+            k = max(range(self.k_max + 1), key=lambda k: self._rate(batch, k))
+            if self.since_other >= self.explore_every:
+                k = 0 if k else self.k_max
+        self.since_other = 0 if (k == 0) != (self.last_k == 0) else self.since_other + 1
+        self.last_k = k
+        return k
+
+    def _rate(self, batch: int, k: int) -> float:
+        seconds = self.round_seconds(batch, k)
+        return batch * self.expected_tokens(k) / seconds if seconds > 0 else float("inf")
+
+    # -- feedback -------------------------------------------------------------------------
+    def observe(
+        self, num_draft: list[int], num_accepted: list[int], draft_s: float, verify_s: float
+    ) -> None:
+        """One finished round: per-sequence drafts and accepted counts, and its timings."""
+        rows = sum(n + 1 for n in num_draft)
+        self.verify.observe(rows, verify_s)
+        if any(num_draft):
+            self.draft.observe(rows, draft_s)
+        d = self.decay
+        for n, m in zip(num_draft, num_accepted, strict=True):
+            if n == 0:
+                continue
+            for j in range(self.k_max):
+                self.trials[j] *= d
+                self.accepts[j] *= d
+            for j in range(min(m + 1, n)):  # positions 1..m accepted, m+1 tried and rejected
+                self.trials[j] += 1.0
+                self.accepts[j] += 1.0 if j < m else 0.0
+
+
+__all__ = ["LinearCost", "SpecPolicy"]

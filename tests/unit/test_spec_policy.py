@@ -1,0 +1,121 @@
+"""The adaptive draft length: it speculates where drafting pays and stays lossless."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.engine import Engine, EngineConfig
+from services.sampling import SamplingParams
+from services.spec_policy import LinearCost, SpecPolicy
+from target_actor.runner import TargetSpec
+from target_actor.worker import LocalTarget
+
+from .test_engine import ByteTokenizer, prompts, random_drafter
+
+
+def feed(policy: SpecPolicy, batch: int, k: int, accepted: int, verify, draft) -> None:
+    """One simulated round of ``batch`` sequences, each accepting ``accepted`` of ``k``."""
+    rows = batch * (k + 1)
+    policy.observe([k] * batch, [min(accepted, k)] * batch, draft(rows) if k else 0.0, verify(rows))
+
+
+def test_linear_cost_recovers_a_line_and_is_flat_with_one_row_count():
+    cost = LinearCost()
+    cost.observe(8, 0.044)
+    assert cost.predict(64) == pytest.approx(0.044)  # one row count: flat
+    for rows in (1, 8, 16, 64, 1, 8):
+        cost.observe(rows, 0.030 + 0.002 * rows)
+    assert cost.predict(32) == pytest.approx(0.030 + 0.002 * 32, rel=0.05)
+
+
+def test_high_acceptance_and_memory_bound_verify_speculate_fully():
+    policy = SpecPolicy(k_max=7)
+    flat = lambda rows: 0.030 + 0.0002 * rows  # noqa: E731 - a verify block costs ~ one step
+    for _ in range(40):
+        k = policy.choose(1)
+        feed(policy, 1, k, accepted=7, verify=flat, draft=lambda rows: 0.005)
+    assert policy.choose(1) == 7
+    assert policy.expected_tokens(7) > 5
+
+
+def test_useless_drafts_switch_speculation_off_and_exploration_checks_back():
+    policy = SpecPolicy(k_max=7, explore_every=8)
+    linear = lambda rows: 0.030 + 0.002 * rows  # noqa: E731
+    chosen = []
+    for _ in range(60):
+        k = policy.choose(4)
+        chosen.append(k)
+        feed(policy, 4, k, accepted=0, verify=linear, draft=lambda rows: 0.010)
+    tail = chosen[20:]
+    assert tail.count(0) > 0.8 * len(tail)  # mostly plain rounds
+    assert any(k == 7 for k in tail)  # but it keeps probing
+
+
+def test_compute_bound_large_batches_draft_less_than_small_ones():
+    rng = random.Random(0)
+    policy = SpecPolicy(k_max=7, explore_every=1000)
+    cost = lambda rows: 0.030 + 0.004 * rows  # noqa: E731 - every row costs (compute-bound)
+    for batch in (1, 32) * 10:
+        for k in (0, 7):
+            accepted = [geometric(rng, 0.6, k) for _ in range(batch)]
+            rows = batch * (k + 1)
+            policy.observe([k] * batch, accepted, 0.002 if k else 0.0, cost(rows))
+    assert 0.5 < policy.acceptance()[0] < 0.7
+    assert policy.choose(1) > 0  # C=1: a verify block is cheap, speculate
+    assert policy.choose(32) == 0  # C=32: k+1 rows per sequence cost k+1 steps, do not
+
+
+def geometric(rng: random.Random, alpha: float, k: int) -> int:
+    """Accepted drafts when each is accepted with probability ``alpha`` until one is not."""
+    m = 0
+    while m < k and rng.random() < alpha:
+        m += 1
+    return m
+
+
+class Scripted(SpecPolicy):
+    """A policy that alternates plain and drafting rounds, to exercise both paths."""
+
+    def choose(self, batch: int) -> int:
+        self.last_k = 0 if self.last_k else self.k_max
+        return self.last_k
+
+
+def test_mixed_plain_and_spec_rounds_keep_output_and_drafter_in_sync(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    ps = prompts(5, 3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = Engine(
+        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)), ByteTokenizer()
+    ).generate(ps, params)
+    engine = Engine(
+        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)),
+        ByteTokenizer(),
+        random_drafter(path, k=4),
+        EngineConfig(k=4, adaptive=True),
+    )
+    assert engine.policy is not None
+    engine.policy = Scripted(4)
+    outs = engine.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert engine.stats.spec.num_drafts > 0
+    assert engine.drafter.num_states() == 0  # every state freed
+
+
+def test_adaptive_engine_is_lossless_with_a_random_drafter(tiny_checkpoints):
+    path = tiny_checkpoints["qwen3"]
+    ps = prompts(6, 4)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = Engine(
+        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)), ByteTokenizer()
+    ).generate(ps, params)
+    engine = Engine(
+        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)),
+        ByteTokenizer(),
+        random_drafter(path, k=4),
+        EngineConfig(k=4, adaptive=True),
+    )
+    outs = engine.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
