@@ -83,10 +83,8 @@ class Scripted(SpecPolicy):
         return self.last_k
 
 
-def test_mixed_plain_and_spec_rounds_keep_output_and_drafter_in_sync(tiny_checkpoints):
-    path = tiny_checkpoints["llama"]
-    ps = prompts(5, 3)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+def plain_and_adaptive(path, ps: list[list[int]], params: SamplingParams) -> tuple[list, Engine]:
+    """Plain decoding's outputs, and an adaptive spec engine (random drafter) to compare."""
     plain = Engine(
         LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)), ByteTokenizer()
     ).generate(ps, params)
@@ -96,6 +94,12 @@ def test_mixed_plain_and_spec_rounds_keep_output_and_drafter_in_sync(tiny_checkp
         random_drafter(path, k=4),
         EngineConfig(k=4, adaptive=True),
     )
+    return plain, engine
+
+
+def test_mixed_plain_and_spec_rounds_keep_output_and_drafter_in_sync(tiny_checkpoints):
+    ps, params = prompts(5, 3), SamplingParams(max_tokens=24, ignore_eos=True)
+    plain, engine = plain_and_adaptive(tiny_checkpoints["llama"], ps, params)
     assert engine.policy is not None
     engine.policy = Scripted(4)
     outs = engine.generate(ps, params)
@@ -105,17 +109,7 @@ def test_mixed_plain_and_spec_rounds_keep_output_and_drafter_in_sync(tiny_checkp
 
 
 def test_adaptive_engine_is_lossless_with_a_random_drafter(tiny_checkpoints):
-    path = tiny_checkpoints["qwen3"]
-    ps = prompts(6, 4)
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    plain = Engine(
-        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)), ByteTokenizer()
-    ).generate(ps, params)
-    engine = Engine(
-        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)),
-        ByteTokenizer(),
-        random_drafter(path, k=4),
-        EngineConfig(k=4, adaptive=True),
-    )
+    ps, params = prompts(6, 4), SamplingParams(max_tokens=30, ignore_eos=True)
+    plain, engine = plain_and_adaptive(tiny_checkpoints["qwen3"], ps, params)
     outs = engine.generate(ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
