@@ -29,6 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from drafter_actor.training.config import TrainError
+from drafter_actor.training.data import read_manifest
+
 from .prompts import SHAREGPT, Prompt, PromptSetError, load_prompts
 
 SHARD_SIZE = 64
@@ -300,25 +303,19 @@ def _write_manifest(out: Path, manifest: dict, shards: dict[str, list[TrainRecor
 
 
 def _read_manifest(root: Path) -> dict[str, Any]:
-    path = root / "manifest.json"
-    if not path.is_file():
-        raise TrainDataError(f"{root} is not a training data folder (no manifest.json)")
+    """The training reader's manifest checks, plus the shard list the writer keeps."""
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise TrainDataError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from exc
-    shards = manifest.get("shards") if isinstance(manifest, dict) else None
-    if (
-        not isinstance(shards, list)
-        or not isinstance(manifest.get("vocab_size"), int)
-        or not all(
-            isinstance(s, dict)
-            and isinstance(s.get("file"), str)
-            and isinstance(s.get("num_records"), int)
-            for s in shards
-        )
+        manifest = read_manifest(root)
+    except TrainError as exc:
+        raise TrainDataError(str(exc)) from None
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not all(
+        isinstance(s, dict)
+        and isinstance(s.get("file"), str)
+        and isinstance(s.get("num_records"), int)
+        for s in shards
     ):
-        raise TrainDataError(f"{path} is malformed (needs vocab_size and a shards list)")
+        raise TrainDataError(f"{root / 'manifest.json'} is malformed (needs a shards list)")
     return manifest
 
 

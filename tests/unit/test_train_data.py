@@ -152,6 +152,9 @@ def test_bad_inputs(chat_target, tmp_path, kw, match):
 
 def test_malformed_folders_are_one_line_errors(chat_target, tmp_path, monkeypatch):
     monkeypatch.setattr(TD, "SHARD_SIZE", 4)
+    with pytest.raises(TrainDataError, match="does not exist"):
+        read_training_data(tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(TrainDataError, match="no manifest.json"):
         read_training_data(tmp_path / "empty")
     d = tmp_path / "d"
