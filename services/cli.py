@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_args(serve)
 
+    from .loadtest import add_loadtest_args
+
+    add_loadtest_args(
+        sub.add_parser("loadtest", help="bounded, self-checking load test of a local server")
+    )
+
     data = sub.add_parser("data", help="prompt sets (ShareGPT for training, benchmark categories)")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     data_fetch = data_sub.add_parser(
@@ -224,6 +230,12 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     run_server(args)
 
 
+def _cmd_loadtest(args: argparse.Namespace) -> None:
+    from .loadtest import run_loadtest_command
+
+    run_loadtest_command(args)
+
+
 def _cmd_data(args: argparse.Namespace) -> None:
     from .prompts import fetch_all
 
@@ -301,6 +313,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "model": _cmd_model,
     "generate": _cmd_generate,
     "serve": _cmd_serve,
+    "loadtest": _cmd_loadtest,
     "bench": _cmd_bench,
     "data": _cmd_data,
     "train": _cmd_train,
