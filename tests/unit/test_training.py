@@ -545,3 +545,27 @@ def test_tap_cache_is_reused_extended_and_rebuilt_when_stale(runner, tmp_path):
     cache, stats = build_tap_cache(tmp_path, changed, tpass, "float32", progress=False)
     assert stats["sequences"] == 2 and cache.get("s0")[1].dtype == torch.float32
     assert len(list(tmp_path.glob("part-*.safetensors"))) == 1  # stale parts are gone
+
+
+def test_export_writes_drafter_weights_without_machine_paths(trained, target_dir, tmp_path):
+    from drafter_actor.training.export import export_drafter
+
+    out = tmp_path / "shipped"
+    report = export_drafter(trained, out, "bfloat16")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "training.json",
+    ]
+    stored = load_file(str(out / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in stored.values() if t.is_floating_point())
+    assert not any(name.startswith(("embed", "lm_head")) for name in stored)  # target's, shared
+    info = json.loads((out / "training.json").read_text())
+    assert str(tmp_path) not in json.dumps(info) and "target_path" not in info
+    assert report["bytes"] == (out / "model.safetensors").stat().st_size
+    a = Drafter.from_pretrained(trained, target_dir).net
+    b = Drafter.from_pretrained(out, target_dir).net
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.allclose(x.float(), y.float(), rtol=1e-2, atol=1e-3), name
+    with pytest.raises(TrainError, match="no checkpoint at step 7"):
+        export_drafter(trained, tmp_path / "x", step=7)
