@@ -1,10 +1,14 @@
 """Engine-wide counters and timings (vLLM's spec-decode vocabulary).
 
-Plain counters here; the Serve deployment exports them to Prometheus.
+Plain counters here; the Serve deployment exports them to Prometheus
+(``services.serve_metrics``). Cumulative totals only grow; the two :class:`TimingLog`
+buffers hold per-round and per-request timings until the exporter drains them into
+histograms (bounded, so an engine nobody exports keeps only the most recent).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,15 +16,38 @@ from .sequence import Sequence, SpecStats
 
 
 @dataclass
+class TimingLog:
+    """Recent observations (tuples of seconds), drained by the metrics exporter."""
+
+    maxlen: int = 8192
+    items: deque[tuple[float, ...]] = field(default_factory=deque)
+
+    def add(self, *values: float) -> None:
+        if len(self.items) >= self.maxlen:
+            self.items.popleft()
+        self.items.append(values)
+
+    def drain(self) -> list[tuple[float, ...]]:
+        out = list(self.items)
+        self.items.clear()
+        return out
+
+
+@dataclass
 class EngineStats:
     rounds: int = 0
     spec: SpecStats = field(default_factory=SpecStats)  # summed over every sequence-round
-    num_generated_tokens: int = 0
+    num_generated_tokens: int = 0  # committed by rounds (a request's first token: prefill)
     draft_s: float = 0.0
     verify_s: float = 0.0
     round_s: float = 0.0
     finished: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    # per finished request: what its client got (stop-string cuts excluded, aborts included)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    round_log: TimingLog = field(default_factory=TimingLog)  # (draft_s, verify_s, round_s)
+    request_log: TimingLog = field(default_factory=TimingLog)  # (e2e_s,), aborts excluded
 
     def observe_round(
         self,
@@ -34,6 +61,7 @@ class EngineStats:
         self.draft_s += draft_s
         self.verify_s += verify_s
         self.round_s += round_s
+        self.round_log.add(draft_s, verify_s, round_s)
         for nd, m in zip(num_draft, num_accepted, strict=True):
             self.num_generated_tokens += m + 1
             self.spec.observe(nd, m)
@@ -41,6 +69,10 @@ class EngineStats:
     def observe_finish(self, seq: Sequence) -> None:
         self.finished += 1
         self.finish_reasons[seq.finish_reason] = self.finish_reasons.get(seq.finish_reason, 0) + 1
+        self.num_prompt_tokens += len(seq.prompt_ids)
+        self.num_output_tokens += len(seq.output_ids)
+        if seq.finish_reason != "abort" and seq.finish_time is not None:
+            self.request_log.add(seq.finish_time - seq.arrival_time)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -51,6 +83,8 @@ class EngineStats:
             "accepted_per_pos": list(self.spec.accepted_per_pos),
             "mean_accepted_length": round(self.spec.mean_accepted_length, 3),
             "num_generated_tokens": self.num_generated_tokens,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
             "draft_ms_per_round": round(1e3 * self.draft_s / max(1, self.rounds), 3),
             "verify_ms_per_round": round(1e3 * self.verify_s / max(1, self.rounds), 3),
             "round_ms": round(1e3 * self.round_s / max(1, self.rounds), 3),
