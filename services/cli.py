@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--draft-vocab-size", type=_positive_int, default=None)
     drf.add_argument("--json", default=None, help="write results to this JSON file")
     drf.add_argument("--target", default=None)
+    from .benchmarks.commands import add_bench_commands
+
+    add_bench_commands(bench_sub)  # throughput, peers
     return parser
 
 
@@ -281,6 +284,10 @@ def _cmd_eval(args: argparse.Namespace) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
+    if args.bench_command in ("throughput", "peers"):
+        from .benchmarks.commands import run_bench_command
+
+        return run_bench_command(args)  # writes its own JSON/PNG; raises if checks failed
     if args.bench_command == "decode":
         from .benchmarks.decode import run_decode_bench
 
