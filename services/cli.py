@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .cli_types import positive_int as _positive_int
+from .cli_types import positive_int_list as _positive_int_list
 from .errors import user_error_message
 
 
@@ -50,6 +51,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--k", type=_positive_int, default=None, help="draft tokens per round")
     p.add_argument("--no-carry", action="store_true", help="turn Carryover off (ablation)")
+    p.add_argument(
+        "--fixed-k",
+        action="store_true",
+        help="draft k tokens every round (default: adapt k per round, 0 when drafting cannot pay)",
+    )
     p.add_argument(
         "--backend",
         choices=["local", "ray"],
@@ -124,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     from drafter_actor.training.config import add_train_args
 
     add_train_args(tdrafter)
+    texport = train_sub.add_parser(
+        "export", help="write a trained drafter's own weights to a shippable folder"
+    )
+    texport.add_argument("--drafter", required=True, help="training run folder")
+    texport.add_argument("--out", required=True, help="e.g. drafter_actor/weights/<target name>")
+    texport.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    texport.add_argument("--step", type=_positive_int, default=None, help="a checkpoint's step")
 
     ev = sub.add_parser("eval", help="evaluate a drafter")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
@@ -144,7 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--repeats", type=_positive_int, default=3)
     dec.add_argument("--json", default=None, help="write results to this JSON file")
     _add_target_args(dec)
-    spec = bench_sub.add_parser("spec", help="speculative vs plain decoding at C=1, same run")
+    spec = bench_sub.add_parser(
+        "spec", help="plain vs spec (fixed k and adaptive k), same prompts, same run"
+    )
+    spec.add_argument(
+        "--concurrency",
+        type=_positive_int_list,
+        default=[1],
+        help="comma-separated running-request counts, e.g. 1,4,16",
+    )
     spec.add_argument(
         "--drafter", default=None, help="drafter folder or 'random' (default: shipped)"
     )
@@ -185,6 +206,7 @@ def _engine_options(args: argparse.Namespace):
         mode=getattr(args, "mode", "ar"),
         drafter=getattr(args, "drafter", None),
         k=getattr(args, "k", None),
+        adaptive=not getattr(args, "fixed_k", False),
         carry=not getattr(args, "no_carry", False),
         backend=getattr(args, "backend", "local"),
     )
@@ -260,6 +282,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
             seed=args.seed,
         )
         print(json.dumps(manifest, indent=2))
+    elif args.train_command == "export":
+        from drafter_actor.training.export import export_drafter
+
+        print(json.dumps(export_drafter(args.drafter, args.out, args.dtype, args.step), indent=2))
     else:
         from drafter_actor.training import train_drafter
         from drafter_actor.training.config import from_args
@@ -296,7 +322,12 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         from .benchmarks.spec import run_spec_bench
 
         report = run_spec_bench(
-            args.drafter, args.k, args.max_tokens, args.target, not args.no_carry
+            args.drafter,
+            args.k,
+            args.max_tokens,
+            args.target,
+            not args.no_carry,
+            concurrency=tuple(args.concurrency),
         )
     else:
         from .benchmarks.drafter import run_drafter_bench
