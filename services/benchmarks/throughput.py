@@ -224,6 +224,9 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict[str, Any]:
             )
             result = asyncio.run(_bench_service(svc, cfg, stages, watch))
             mode = result["mode"] if svc.mode == "as served" else svc.mode
+            if mode in modes:
+                problems.append(f"two services decode in mode {mode}: nothing to compare")
+                mode = f"{mode} ({svc.url})"
             problems += _problems(mode, result)
             modes[mode] = result
             metrics_used = svc.metrics_urls
