@@ -194,6 +194,9 @@ class IngressDeployment:
             "draining: %d requests in flight, %gs to finish", self.lifecycle.in_flight, grace_s
         )
         idle = await self.lifecycle.wait_idle(grace_s)
+        log.warning(
+            "drained: %s", "idle" if idle else f"{self.lifecycle.in_flight} still in flight"
+        )
         await signal.report.remote(context.replica_tag, idle)
 
 

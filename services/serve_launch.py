@@ -203,11 +203,14 @@ def _drain(drain_signal: Any, grace_s: float, replicas: int, force: threading.Ev
 
     print(f"SIGTERM: draining (in-flight requests get up to {grace_s:g}s)...", flush=True)
     ray.get(drain_signal.drain.remote(grace_s))
-    deadline = time.monotonic() + grace_s + 5.0
-    while time.monotonic() < deadline and not force.is_set():
-        if ray.get(drain_signal.num_reports.remote()) >= replicas:
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + grace_s + 5.0 and not force.is_set():
+        reports = ray.get(drain_signal.num_reports.remote())
+        if reports >= replicas:
+            print(f"Drained in {time.monotonic() - t0:.1f}s.", flush=True)
             return
         force.wait(0.2)
+    print("Stopping with requests still in flight (grace period over, or SIGTERM again).")
 
 
 def _print_banner(cfg: Any, host: str, port: int, dashboard: bool) -> None:

@@ -1,0 +1,108 @@
+"""SIGTERM to ``longspark serve``: stop admitting (503), finish in-flight requests, exit.
+
+The real command in a subprocess (its own local Ray and Serve, a tiny random model with a
+4K context and a random drafter). A long greedy stream is running when SIGTERM arrives:
+new requests must get 503 ``shutting_down`` with ``Retry-After`` (and ``/health`` 503)
+while the stream runs to its end, and the process must then exit by itself, cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serving_helpers import free_port
+from tests.unit.test_api import make_tiny_chat_model
+
+pytestmark = pytest.mark.ray
+
+GRACE_S = 240
+LONGSPARK = Path(sys.executable).with_name("longspark")
+
+
+@pytest.fixture
+def server_process(tmp_path):
+    path = make_tiny_chat_model(tmp_path / "tiny", max_position_embeddings=4096)
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    cmd = [str(LONGSPARK), "serve", "--target", str(path), "--drafter", "random", "--k", "2"]
+    cmd += ["--port", str(port), "--grace-period", str(GRACE_S), "--no-dashboard"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(1.0)
+        yield proc, url, tmp_path / "serve.log"
+    finally:
+        if proc.poll() is None:  # only on failure: the whole group this test started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        log.close()
+
+
+def test_sigterm_drains_then_exits(server_process):
+    proc, url, log = server_process
+    model = "tiny"
+    long_body = {"model": model, "prompt": "Hello world", "max_tokens": 400, "stream": True}
+    long_body.update(temperature=0, ignore_eos=True)
+    small = {"model": model, "prompt": "Hi", "max_tokens": 2}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=GRACE_S + 60) as c:
+            started = asyncio.Event()
+
+            async def in_flight() -> list[str]:
+                events = []
+                async with c.stream("POST", "/v1/completions", json=long_body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            started.set()
+                            events.append(line[len("data: ") :])
+                return events
+
+            stream = asyncio.create_task(in_flight())
+            await started.wait()
+            proc.send_signal(signal.SIGTERM)
+            refused = None
+            for _ in range(300):
+                r = await c.post("/v1/completions", json=small)
+                if r.status_code == 503:
+                    refused = r
+                    break
+                await asyncio.sleep(0.1)
+            health = await c.get("/health")
+            running = not stream.done()
+            return refused, health, running, await stream
+
+    refused, health, running_when_refused, events = asyncio.run(scenario())
+    assert refused is not None, log.read_text()[-3000:]
+    assert refused.json()["error"]["code"] == "shutting_down" and refused.headers["retry-after"]
+    assert health.status_code == 503
+    assert running_when_refused  # the drain began while the stream was still running
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert not any('"error"' in e for e in events)
+    assert proc.wait(GRACE_S + 60) == 0, log.read_text()[-3000:]
+    assert "draining" in log.read_text()
