@@ -44,7 +44,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.async_engine import EngineDeadError, EngineOverloaded, QueueTimeout, RequestFailed
 from services.errors import unwrap, user_error_message
 from services.sampling import InvalidRequest
-from services.serve_drafter import DrafterUnavailable
 from target_actor.config import TargetConfigError
 
 from . import request_id
@@ -149,7 +148,7 @@ def to_api_error(exc: BaseException) -> APIError:
         return busy(message)
     if isinstance(cause, QueueTimeout):
         return unavailable(message, "queue_timeout")
-    if isinstance(cause, (EngineDeadError, DeploymentUnavailableError, DrafterUnavailable)):
+    if isinstance(cause, (EngineDeadError, DeploymentUnavailableError)):
         return unavailable(str(cause), "replica_unavailable")
     if isinstance(cause, RayActorError) or isinstance(exc, RayActorError):
         return unavailable("the model replica went away; retry", "replica_unavailable")

@@ -8,8 +8,10 @@ Speculation is an optimisation, never a dependency. :class:`ResilientDrafter` wr
   plain decoding step, still exact), the actor is killed and a fresh one is started in
   the background, and every sequence the old actor held is *lost*: ``drafting(seq_id)``
   is False for it, so it finishes with plain decoding.
-* ``prefill`` of new sequences waits for the restarted actor, so they draft again;
-  if the fresh actor fails too, the error reaches the engine (their requests fail).
+* New sequences arriving while the replacement starts are not waited for (that would
+  stall every running sequence): they are marked lost and decode plainly. Once the
+  replacement is up (checked, without waiting, at each round) new sequences draft
+  again; if it fails as well, another one is started.
 * Counters record it: ``fallbacks`` (rounds verified without a proposal because the
   drafter failed), ``failures``, ``restarts``, ``lost_sequences``.
 
@@ -33,10 +35,6 @@ import torch
 from drafter_actor.messages import DraftRequest, Proposal
 
 log = logging.getLogger("longspark.drafter_faults")
-
-
-class DrafterUnavailable(RuntimeError):
-    """Neither the drafter actor nor its replacement could take new sequences."""
 
 
 def scatter_proposal(part: Proposal, rows: list[int], n: int) -> Proposal:
@@ -77,20 +75,28 @@ class ResilientDrafter:
         return self._queries
 
     def prefill(self, views: Any) -> None:
-        """Start sequences on the current actor (after a restart, the fresh one)."""
+        """Start sequences on the current actor; while a replacement starts, they go plain."""
         if not self.enabled:
             return
-        for attempt in (0, 1):
+        self._poll_restart()
+        if self._restart is None:
             try:
-                self._await_restart()
                 self._ray.get(self.inner.actor.prefill.remote(views), timeout=self.timeout_s)
                 return
             except Exception as exc:  # noqa: BLE001 - actor death, timeout, task error
                 self._failed(exc, [])
-                if attempt:
-                    raise DrafterUnavailable(f"the drafter failed twice: {exc}") from exc
+        self._lose(views)
+
+    def _lose(self, views: Any) -> None:
+        """Mark the sequences of ``views`` (a list or its ObjectRef) as decoding plainly."""
+        if isinstance(views, self._ray.ObjectRef):
+            views = self._ray.get(views)
+        ids = {v.seq_id for v in views}
+        self.lost |= ids
+        self.lost_sequences += len(ids)
 
     def propose(self, requests: list[DraftRequest], k: int, updates: Any = None) -> Proposal | None:
+        self._poll_restart()
         rows = [i for i, r in enumerate(requests) if self.drafting(r.seq_id)]
         if not rows or self._restart is not None:
             return None
