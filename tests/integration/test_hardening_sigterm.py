@@ -83,6 +83,9 @@ def test_sigterm_drains_then_exits(server_process):
 
             stream = asyncio.create_task(in_flight())
             await started.wait()
+            traced = await c.post(
+                "/v1/completions", json={**small, "model": "nope"}, headers={"X-Request-Id": "t-1"}
+            )
             proc.send_signal(signal.SIGTERM)
             refused = None
             for _ in range(300):
@@ -93,9 +96,13 @@ def test_sigterm_drains_then_exits(server_process):
                 await asyncio.sleep(0.1)
             health = await c.get("/health")
             running = not stream.done()
-            return refused, health, running, await stream
+            return traced, refused, health, running, await stream
 
-    refused, health, running_when_refused, events = asyncio.run(scenario())
+    traced, refused, health, running_when_refused, events = asyncio.run(scenario())
+    # under Serve too: the client's request id, echoed once, in the error body
+    assert traced.status_code == 404 and traced.json()["request_id"] == "t-1"
+    assert traced.headers.get_list("x-request-id") == ["t-1"]
+    assert refused.json()["request_id"] == refused.headers["x-request-id"]
     assert refused is not None, log.read_text()[-3000:]
     assert refused.json()["error"]["code"] == "shutting_down" and refused.headers["retry-after"]
     assert health.status_code == 503
