@@ -1,5 +1,8 @@
 """SIGTERM to ``longspark serve``: stop admitting (503), finish in-flight requests, exit.
 
+On the way, the same server shows Serve's back-pressure as 429 with ``Retry-After`` and
+the request id under Serve's proxy.
+
 The real command in a subprocess (its own local Ray and Serve, a tiny random model with a
 4K context and a random drafter). A long greedy stream is running when SIGTERM arrives:
 new requests must get 503 ``shutting_down`` with ``Retry-After`` (and ``/health`` 503)
@@ -34,8 +37,14 @@ def server_process(tmp_path):
     path = make_tiny_chat_model(tmp_path / "tiny", max_position_embeddings=4096)
     port = free_port()
     log = (tmp_path / "serve.log").open("w")
+    config = tmp_path / "serve.yaml"  # tiny queues, so overload is easy to reach
+    config.write_text(
+        "applications:\n  - name: longspark\n    import_path: services.serve:build_app\n"
+        "    args: {cpus_per_actor: 0.5, max_ongoing_requests: 2, max_queued_requests: 1}\n"
+    )
     cmd = [str(LONGSPARK), "serve", "--target", str(path), "--drafter", "random", "--k", "2"]
     cmd += ["--port", str(port), "--grace-period", str(GRACE_S), "--no-dashboard"]
+    cmd += ["--config", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -86,6 +95,8 @@ def test_sigterm_drains_then_exits(server_process):
             traced = await c.post(
                 "/v1/completions", json={**small, "model": "nope"}, headers={"X-Request-Id": "t-1"}
             )
+            # one engine slot left and one queue place: a burst of four overflows Serve's queue
+            burst = await asyncio.gather(*(c.post("/v1/completions", json=small) for _ in range(4)))
             proc.send_signal(signal.SIGTERM)
             refused = None
             for _ in range(300):
@@ -96,9 +107,13 @@ def test_sigterm_drains_then_exits(server_process):
                 await asyncio.sleep(0.1)
             health = await c.get("/health")
             running = not stream.done()
-            return traced, refused, health, running, await stream
+            return traced, burst, refused, health, running, await stream
 
-    traced, refused, health, running_when_refused, events = asyncio.run(scenario())
+    traced, burst, refused, health, running_when_refused, events = asyncio.run(scenario())
+    statuses = sorted(r.status_code for r in burst)
+    assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses, statuses
+    busy = next(r for r in burst if r.status_code == 429)
+    assert busy.json()["error"]["code"] == "server_busy" and busy.headers["retry-after"]
     # under Serve too: the client's request id, echoed once, in the error body
     assert traced.status_code == 404 and traced.json()["request_id"] == "t-1"
     assert traced.headers.get_list("x-request-id") == ["t-1"]
