@@ -468,3 +468,21 @@ def test_disconnects_at_any_point_free_the_sequence(engines):
             stats = wait_stats(url, freed, timeout=30)
             assert freed(stats), stats
             assert c.post("/v1/completions", json=body()).status_code == 200
+
+
+# -- the load test's own guard rails ----------------------------------------------------
+def test_loadtest_only_targets_loopback(capsys):
+    from services.cli import main
+
+    assert main(["loadtest", "--url", "http://10.1.2.3:8000", "--requests", "1"]) == 2
+    assert "loopback" in capsys.readouterr().err
+
+
+def test_loadtest_plan_is_bounded_and_mixed():
+    from services.loadtest import LoadTestConfig, plan
+
+    jobs = plan(LoadTestConfig(requests=300, disconnect_fraction=0.2, sampled_fraction=0.3))
+    assert len(jobs) == 300
+    for attr in ("chat", "stream", "greedy"):
+        assert 0 < sum(getattr(j, attr) for j in jobs) < 300
+    assert 20 < sum(j.disconnect_after is not None for j in jobs) < 120
