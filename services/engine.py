@@ -177,9 +177,16 @@ class Engine:
         )
 
     def _num_draft(self, seq: Sequence, k: int) -> int:
-        """Drafts worth verifying: never past max_tokens or the context (0 = plain step)."""
+        """Drafts worth verifying: never past max_tokens or the context (0 = plain step).
+
+        A seeded sampled request always drafts ``config.k``: which random numbers its
+        tokens use depends on the draft lengths, and the adaptive ``k`` follows timings,
+        so only a fixed ``k`` makes the same seed give the same text.
+        """
         if self.drafter is None or not self._drafting(seq.seq_id):
             return 0
+        if seq.params.seed is not None and seq.params.temperature > 0:
+            k = self.config.k
         return max(0, min(k, seq.remaining - 1, self.max_len - seq.total_len - 1))
 
     def _prefill(self, seqs: list[Sequence]) -> None:

@@ -113,3 +113,19 @@ def test_adaptive_engine_is_lossless_with_a_random_drafter(tiny_checkpoints):
     plain, engine = plain_and_adaptive(tiny_checkpoints["qwen3"], ps, params)
     outs = engine.generate(ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_seeded_sampled_requests_keep_a_fixed_k_so_the_seed_reproduces(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    ps = prompts(3, 5)
+    params = [SamplingParams(max_tokens=20, temperature=0.9, seed=11 + i) for i in range(3)]
+    fixed = Engine(
+        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)),
+        ByteTokenizer(),
+        random_drafter(path, k=4),
+        EngineConfig(k=4),
+    ).generate(ps, params)
+    _, adaptive = plain_and_adaptive(path, ps[:1], SamplingParams(max_tokens=1))
+    adaptive.policy = Scripted(4)  # would alternate plain and drafting rounds
+    outs = adaptive.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fixed]
