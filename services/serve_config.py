@@ -52,6 +52,9 @@ class ServeArgs(BaseModel):
         "decoding when there is none",
     )
     k: int | None = Field(None, ge=1, description="draft tokens per round (default: drafter's)")
+    adaptive: bool = Field(
+        True, description="pick each round's k from measured acceptance and cost (0 = plain)"
+    )
     carry: bool = Field(True, description="Carryover of rejected positions (ablation switch)")
     max_num_seqs: int = Field(32, ge=1, description="running sequences per replica")
     kv_cache_tokens: int = Field(65536, ge=16, description="KV-cache token budget per replica")

@@ -118,6 +118,12 @@ class ResilientDrafter:
             else scatter_proposal(proposal, rows, len(requests))
         )
 
+    def update(self, updates: Any) -> None:
+        """A plain round's updates, fire and forget (a dead actor shows at the next propose)."""
+        self._poll_restart()
+        if self.enabled and self._restart is None:
+            self.inner.update(updates)
+
     def free(self, seq_ids: list[int]) -> None:
         live = [s for s in seq_ids if s not in self.lost]
         self.lost.difference_update(seq_ids)

@@ -84,7 +84,12 @@ def build_replica_engine(
         target,
         Tokenizer(args.target),
         drafter,
-        EngineConfig(k=k, max_num_seqs=args.max_num_seqs, drafter_name=args.drafter or ""),
+        EngineConfig(
+            k=k,
+            max_num_seqs=args.max_num_seqs,
+            drafter_name=args.drafter or "",
+            adaptive=args.adaptive,
+        ),
     )
 
     def close() -> None:

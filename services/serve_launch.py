@@ -34,6 +34,7 @@ OVERRIDES = {
     "mode": "mode",
     "drafter": "drafter",
     "k": "k",
+    "adaptive": "adaptive",
     "max_num_seqs": "max_num_seqs",
     "min_replicas": "min_replicas",
     "max_replicas": "max_replicas",
@@ -88,6 +89,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--drafter", default=None, help="drafter folder or 'random' (default: the shipped one)"
     )
     model.add_argument("--k", type=_positive_int, default=None, help="draft tokens per round")
+    model.add_argument(
+        "--fixed-k",
+        dest="adaptive",
+        action="store_const",
+        const=False,
+        default=None,
+        help="draft k every round (default: adapt k per round, plain when drafting cannot pay)",
+    )
     model.add_argument(
         "--max-num-seqs", type=_positive_int, default=None, help="running sequences per replica"
     )

@@ -48,6 +48,7 @@ def server(smollm2_path):
         tp=3,
         drafter="random",
         k=3,
+        adaptive=False,  # a random drafter never pays: keep drafting to test the spec path
         max_num_seqs=32,
         kv_cache_tokens=32768,
         cpus_per_actor=0.5,
