@@ -54,6 +54,7 @@ class FullPrefixState:
     carry: torch.Tensor  # [k_max, L, d]: rejected states at length..length+carry_len-1
     carry_len: int
     generator: torch.Generator
+    boundary: torch.Tensor | None = None  # [L, d]: the last committed row's tapped states
 
     def reserve(self, rows: int) -> None:
         """Grow the caches (doubling) to hold at least ``rows`` rows."""
@@ -77,6 +78,7 @@ class FullPrefixState:
                 self.k_cache[i, :, pos[0] : pos[-1] + 1] = k[0]
                 self.v_cache[i, :, pos[0] : pos[-1] + 1] = v[0]
         self.length += n
+        self.boundary = hidden[-1].clone()
 
     def state_bytes(self) -> int:
         """Bytes of the rows in use (committed + carry capacity), as a paged cache would hold."""

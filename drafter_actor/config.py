@@ -72,6 +72,7 @@ class DrafterConfig:
     block_size: int = 15  # k: the most draft tokens per block (and carry rows)
     proposal_support: int = 8  # K_q: ids per slot in the shipped proposal q
     carry: bool = True  # carryover of the rejected positions' hidden states
+    boundary_input: bool = False  # also add the boundary state to every block row's input
 
     def __post_init__(self) -> None:
         t = self.target

@@ -42,13 +42,17 @@ def draft_block(
     generators: list[torch.Generator],
     contexts: list[LayerContext],
     k: int,
+    boundary: torch.Tensor | None = None,
 ) -> Proposal:
-    """One parallel block pass over ``contexts``, then Markov-corrected sampling of k slots."""
+    """One parallel block pass over ``contexts``, then Markov-corrected sampling of k slots.
+
+    ``boundary`` ``[n, d]``: the fused boundary states, for drafters with ``boundary_input``.
+    """
     anchors = torch.tensor([r.anchor for r in requests])  # [n]
     start = torch.tensor([r.position for r in requests])  # [n]
     temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
     positions = start.unsqueeze(1) + torch.arange(k + 1)  # [n, k+1]: anchor at `position`
-    h = net(net.embed_block(anchors, k), positions, contexts)  # [n, k+1, d]
+    h = net(net.embed_block(anchors, k, boundary), positions, contexts)  # [n, k+1, d]
     base = net.logits(h[:, 1:])  # [n, k, V_d]: MASK slot i predicts the token at position+i
     uniforms = draw_uniforms(generators, temperature, k)  # [n, k]
     tokens, q_ids, q_probs = sample_block(
@@ -160,7 +164,13 @@ class Drafter:
             return Proposal(empty[..., 0].long(), empty.long(), empty)
         states = [self._advance(r) for r in requests]
         contexts = self._contexts(states)
-        return draft_block(self.net, requests, [s.generator for s in states], contexts, k)
+        boundary = (
+            self.net.fuse(torch.stack([s.boundary for s in states]))
+            if self.cfg.boundary_input
+            else None
+        )
+        gens = [s.generator for s in states]
+        return draft_block(self.net, requests, gens, contexts, k, boundary)
 
     @torch.no_grad()
     def apply_updates(self, updates: list[RoundUpdate]) -> None:

@@ -147,6 +147,9 @@ class DrafterNetwork(nn.Module):
         self.fuse_norm = nn.Parameter(torch.ones(d))
         self.mask_embedding = nn.Parameter(torch.zeros(d))  # the MASK slots' input
         self.carry_embedding = nn.Parameter(torch.zeros(L * d))  # E_carry
+        # the boundary state fed straight into the block's rows (EAGLE-style), besides its
+        # K/V row: zero at init, so a drafter trained without it starts unchanged
+        self.boundary_proj = nn.Linear(d, d, bias=False) if cfg.boundary_input else None
         self.summary_queries = nn.Parameter(torch.zeros(L, H, R, hd))  # G
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(L))
         self.norm = nn.Parameter(torch.ones(d))
@@ -167,6 +170,8 @@ class DrafterNetwork(nn.Module):
             for name, p in self.named_parameters():
                 if "norm" in name:
                     p.fill_(1.0)
+                elif name.startswith("boundary_proj"):
+                    p.zero_()
                 elif name == "summary_queries":  # scores of O(1) against the target's keys
                     p.copy_(torch.randn(p.shape, generator=gen))
                 else:
@@ -207,10 +212,21 @@ class DrafterNetwork(nn.Module):
         cos, sin = self.rope.lookup(positions)  # [N, C, hd]
         return [layer.kv(feats, cos, sin) for layer in self.layers]
 
-    def embed_block(self, anchors: torch.Tensor, k: int) -> torch.Tensor:
-        """The block ``[anchor, MASK x k]`` ``[N, k+1, d]`` for anchors ``[N]`` (target ids)."""
+    def embed_block(
+        self, anchors: torch.Tensor, k: int, boundary: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The block ``[anchor, MASK x k]`` ``[N, k+1, d]`` for anchors ``[N]`` (target ids).
+
+        ``boundary`` ``[N, d]``: the fused boundary state (``fuse`` of the taps at the
+        position before the anchor); with ``boundary_input`` it is added to every row.
+        """
         mask = self.mask_embedding.expand(anchors.shape[0], k, -1)
-        return torch.cat([F.embedding(anchors, self.embed).unsqueeze(1), mask], 1)
+        x = torch.cat([F.embedding(anchors, self.embed).unsqueeze(1), mask], 1)
+        if self.boundary_proj is not None:
+            if boundary is None:
+                raise ValueError("this drafter reads the boundary state in its block input")
+            x = x + self.boundary_proj(boundary).unsqueeze(1)
+        return x
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, contexts: list[LayerContext]

@@ -49,6 +49,9 @@ class TrainConfig:
     mlp_width: int = _f(0, "drafter MLP width (0 = target intermediate_size // 2)")
     draft_vocab: int = _f(8192, "reduced draft vocabulary size, by response frequency (0 = full)")
     init_std: float = _f(0.02, "std of the random initial weights")
+    boundary_input: bool = _f(
+        False, "also feed the boundary state into the block rows (added to init_from drafters)"
+    )
 
     # -- the objective ----------------------------------------------------------------
     k: int = _f(7, "draft tokens per block trained (and the drafter's block_size)")

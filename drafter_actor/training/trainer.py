@@ -149,7 +149,12 @@ class Trainer:
     ) -> tuple[DrafterNetwork, float]:
         cfg, t = self.cfg, self.target_cfg
         if saved is not None:
-            dcfg = dataclasses.replace(saved[0], block_size=cfg.k, carry=cfg.carryover)
+            dcfg = dataclasses.replace(
+                saved[0],
+                block_size=cfg.k,
+                carry=cfg.carryover,
+                boundary_input=saved[0].boundary_input or cfg.boundary_input,
+            )
             d2t = saved[1]["d2t"]
             coverage = _coverage(self.train_seqs, d2t)
         else:
@@ -164,6 +169,7 @@ class Trainer:
                 block_size=cfg.k,
                 draft_vocab_size=len(d2t),
                 carry=cfg.carryover,
+                boundary_input=cfg.boundary_input,
                 **extra,
             )
         try:
@@ -171,7 +177,13 @@ class Trainer:
         except DrafterConfigError as e:
             raise TrainError(str(e)) from None
         if saved is not None:
-            net.load_state_dict(saved[1])
+            if dcfg.boundary_input and not saved[0].boundary_input:
+                net.init_random(cfg.seed, cfg.init_std)  # boundary_proj starts at zero
+                keys = net.load_state_dict(saved[1], strict=False)
+                if keys.unexpected_keys or keys.missing_keys != ["boundary_proj.weight"]:
+                    raise TrainError(f"cannot extend the drafter: {keys}")
+            else:
+                net.load_state_dict(saved[1])
         else:
             net.init_random(cfg.seed, cfg.init_std)
         net.set_target_weights(*load_target_head(self.target_path, t), d2t)

@@ -166,6 +166,7 @@ class AnchorViews:
     contexts: list[LayerContext]  # one per drafter layer, over N anchors
     seq: torch.Tensor  # [N] batch row of each anchor
     pos: torch.Tensor  # [N] anchor position t
+    boundary: torch.Tensor  # [N, d]: fused boundary states (the block input reads them too)
 
 
 def build_views(
@@ -189,7 +190,8 @@ def build_views(
     sel = anchors.mask
     m, lam = m[sel], lam[sel]  # [N, L, H, R, hd], [N, L, H, R]
 
-    feats = net.fuse(batch.hidden[b, pos - 1]).unsqueeze(1)  # [N, 1, d]: the boundary
+    boundary = net.fuse(batch.hidden[b, pos - 1])  # [N, d]
+    feats = boundary.unsqueeze(1)  # [N, 1, d]: the boundary row
     rows_pos = (pos - 1).unsqueeze(1)  # [N, 1]
     rows_mask = torch.ones(len(b), 1, dtype=torch.bool)
     if carry is not None:
@@ -215,14 +217,14 @@ def build_views(
         )
         for i in range(L)
     ]
-    return AnchorViews(contexts, b, pos)
+    return AnchorViews(contexts, b, pos, boundary)
 
 
 def block_logits(net: DrafterNetwork, views: AnchorViews, batch: Batch, k: int) -> torch.Tensor:
     """Base logits ``[N, k, V_d]`` of the block ``[x_t, MASK x k]`` at every anchor."""
     anchor_tokens = batch.tokens[views.seq, views.pos]  # [N]
     positions = views.pos.unsqueeze(1) + torch.arange(k + 1)  # [N, k + 1]
-    h = net(net.embed_block(anchor_tokens, k), positions, views.contexts)
+    h = net(net.embed_block(anchor_tokens, k, views.boundary), positions, views.contexts)
     return net.logits(h[:, 1:])
 
 

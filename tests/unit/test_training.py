@@ -257,15 +257,32 @@ def test_prefix_scan_gradient_is_finite():
 def inference_base_logits(drafter: Drafter, anchor: int, position: int, k: int) -> torch.Tensor:
     """The base logits ``draft_block`` computes for the sequence's current views."""
     net = drafter.net
-    ctx = drafter._contexts([drafter.state(0)])
+    state = drafter.state(0)
+    ctx = drafter._contexts([state])
+    boundary = net.fuse(state.boundary.unsqueeze(0)) if net.cfg.boundary_input else None
     positions = (position + torch.arange(k + 1)).unsqueeze(0)
-    h = net(net.embed_block(torch.tensor([anchor]), k), positions, ctx)
+    h = net(net.embed_block(torch.tensor([anchor]), k, boundary), positions, ctx)
     return net.logits(h[:, 1:])[0]
 
 
-def test_training_logits_equal_inference_logits_at_every_anchor(trained, target_dir, runner):
+def add_boundary_input(drafter: Drafter, seed: int = 0) -> None:
+    """Give a trained drafter a random (non-zero) boundary input projection."""
+    d = drafter.cfg.target.hidden_size
+    drafter.cfg = drafter.net.cfg = dataclasses.replace(drafter.cfg, boundary_input=True)
+    drafter.net.boundary_proj = torch.nn.Linear(d, d, bias=False)
+    with torch.no_grad():
+        w = torch.randn(d, d, generator=torch.Generator().manual_seed(seed)) * 0.05
+        drafter.net.boundary_proj.weight.copy_(w)
+
+
+@pytest.mark.parametrize("boundary_input", [False, True])
+def test_training_logits_equal_inference_logits_at_every_anchor(
+    trained, target_dir, runner, boundary_input
+):
     """Prefill + verify rounds at inference vs. the parallel views of training (window 16)."""
     drafter = Drafter.from_pretrained(trained, target_dir)
+    if boundary_input:
+        add_boundary_input(drafter)
     net, k, W = drafter.net, drafter.cfg.block_size, drafter.cfg.window
     rec = greedy_records(runner, 1, 60, seed=9)[0]
     tokens = rec.prompt_ids + rec.response_ids
@@ -427,6 +444,22 @@ def test_resume_repeats_the_next_step_bit_exactly(target_dir, runner, data_dir, 
     assert wa.keys() == wb.keys() and all(torch.equal(wa[n], wb[n]) for n in wa)
     with pytest.raises(TrainError, match="other settings"):
         train_drafter(small_config(data_dir, b, resume=True, **{**kw, "steps": 6, "lr": 1e-3}))
+
+
+def test_boundary_input_extends_a_trained_drafter_without_changing_it(
+    target_dir, data_dir, trained, tmp_path
+):
+    kw = dict(target=str(target_dir), init_from=str(trained), steps=2)
+    kw["cache_dir"] = str(trained / "tap_cache")
+    plain, extended = tmp_path / "plain", tmp_path / "extended"
+    train_drafter(small_config(data_dir, plain, **kw))
+    train_drafter(small_config(data_dir, extended, boundary_input=True, **kw))
+    # boundary_proj starts at zero: the first step is the old drafter's, to the bit
+    assert read_log(extended)[0]["loss"] == read_log(plain)[0]["loss"]
+    drafter = Drafter.from_pretrained(extended, target_dir)
+    assert drafter.cfg.boundary_input and drafter.net.boundary_proj.weight.abs().sum() > 0
+    proposal = drafter.propose([], 4)
+    assert proposal.tokens.shape == (0, 4)
 
 
 def test_carryover_stage_continues_the_baseline(target_dir, data_dir, trained, tmp_path):
