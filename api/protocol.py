@@ -212,6 +212,16 @@ class LongSparkInfo(BaseModel):
     token_ids: list[int] | None = Field(None, description="with return_token_ids only")
 
 
+class _ResponseBase(BaseModel):
+    """What every completion answer and stream chunk carries besides its choices."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+    longspark: LongSparkInfo | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -219,14 +229,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_ResponseBase):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    longspark: LongSparkInfo | None = None
 
 
 class ChatMessageOut(BaseModel):
@@ -241,14 +246,9 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    longspark: LongSparkInfo | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -263,24 +263,14 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_ResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    longspark: LongSparkInfo | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_ResponseBase):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    longspark: LongSparkInfo | None = None
 
 
 class ModelCard(BaseModel):

@@ -11,11 +11,12 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import time
 
 import httpx
 import pytest
+
+from tests import serving_helpers
+from tests.serving_helpers import serve_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -24,25 +25,9 @@ MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     """Base URL of the app (auth on); Ray with logical CPUs enough for the bundles."""
-    import ray
-    from ray import serve
-
-    from services.serve import build_app
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = dict(
         target=str(smollm2_path),
         tp=3,
@@ -55,11 +40,8 @@ def server(smollm2_path):
         api_key=KEY,
         drafter_timeout_s=20,
     )
-    serve.run(build_app(args), name="longspark", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    if started:
-        ray.shutdown()
+    with serve_app(args) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +69,11 @@ def client(server, async_=False):
 
 
 def engine_stats(server) -> dict:
-    return httpx.get(f"{server}/debug/engine", headers=AUTH, timeout=60).json()
+    return serving_helpers.engine_stats(server, AUTH)
 
 
 def wait_stats(server, ok, timeout=30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = engine_stats(server)
-        if ok(stats) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
+    return serving_helpers.wait_stats(server, ok, timeout, AUTH)
 
 
 def idle(stats) -> bool:

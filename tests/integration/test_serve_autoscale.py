@@ -8,12 +8,12 @@ may fail.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
 import pytest
 
+from tests.serving_helpers import serve_app
 from tests.unit.test_api import make_tiny_chat_model
 
 pytestmark = pytest.mark.ray
@@ -21,25 +21,9 @@ pytestmark = pytest.mark.ray
 APP = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    import ray
-    from ray import serve
-
-    from services.serve import build_app
-
     path = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-serve"))
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = dict(
         target=str(path),
         model_name="tiny",
@@ -57,11 +41,8 @@ def tiny_server(tmp_path_factory):
         look_back_period_s=2.0,
         max_ongoing_requests=16,
     )
-    serve.run(build_app(args), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    if started:
-        ray.shutdown()
+    with serve_app(args, name=APP) as url:
+        yield url
 
 
 def running_replicas() -> int:
