@@ -140,9 +140,12 @@ class DecoderLayer(nn.Module):
         for seq_id, off, start, n, mask in plan.items:
             cache.write(layer_id, seq_id, start, k[off : off + n], v[off : off + n])
             keys, values = cache.view(layer_id, seq_id, start + n)  # [kv_heads, L, hd]
-            # fold the query heads of one KV group together: [kv_heads, group * n, hd]
-            qs = q[off : off + n].transpose(0, 1).reshape(self.kv_heads, group * n, hd)
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale)
+            # fold the query heads of one KV group together: [1, kv_heads, group * n, hd];
+            # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to ~15 small ops)
+            qs = q[off : off + n].transpose(0, 1).reshape(1, self.kv_heads, group * n, hd)
+            o = F.scaled_dot_product_attention(
+                qs, keys[None], values[None], attn_mask=mask, scale=self.scale
+            )
             out[off : off + n] = o.view(self.heads, n, hd).transpose(0, 1).reshape(n, -1)
         attn = self.tp.all_reduce(self.lin_o(out))
         if self.o_bias is not None:
