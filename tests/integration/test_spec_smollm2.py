@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.backends import EngineOptions, build_engine
@@ -53,13 +55,22 @@ def plain_outputs(smollm2_path, chats):
     return [o.token_ids for o in outs]
 
 
-def _drafters() -> list:
-    """The random drafter always; the shipped one too once it exists."""
+V1 = Path(__file__).resolve().parents[2] / "drafter_actor" / "weights" / "SmolLM2-135M-Instruct-v1"
+
+
+def _trained() -> list[str]:
+    """The committed trained drafters: the shipped (default) one and the opt-in v1."""
     from services.backends import shipped_drafter
     from target_actor.checkpoint import default_model_dir
 
     shipped = shipped_drafter(default_model_dir())
-    return ["random"] + ([str(shipped)] if shipped else [])
+    found = [shipped] if shipped else []
+    return [str(p) for p in [*found, V1] if (p / "config.json").is_file()]
+
+
+def _drafters() -> list:
+    """The random drafter always, and every committed trained one."""
+    return ["random", *_trained()]
 
 
 @pytest.fixture(scope="module", params=_drafters())
@@ -98,3 +109,17 @@ def test_spec_batched_join_leave_equals_plain(spec_engine, chats, plain_outputs)
     assert spec_engine.target.kv_stats()["num_seqs"] == 0
     assert spec_engine.drafter.num_states() == 0
     assert spec_engine.stats.spec.num_drafts > 0
+
+
+@pytest.mark.parametrize("drafter", _trained()[:1] or ["random"])
+def test_adaptive_k_with_a_trained_drafter_equals_plain(
+    smollm2_path, chats, plain_outputs, drafter
+):
+    """Serving's spec settings (adaptive k) with a trained drafter: plain rounds and drafts mix."""
+    opts = EngineOptions(mode="spec", drafter=drafter, adaptive=True, max_num_seqs=8)
+    engine, close = build_engine(opts)
+    try:
+        outs = engine.generate(chats, SamplingParams(max_tokens=48))
+    finally:
+        close()
+    assert [o.token_ids for o in outs] == plain_outputs
