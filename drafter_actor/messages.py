@@ -64,3 +64,15 @@ class Proposal:
     tokens: torch.Tensor  # [n, k] int64
     q_ids: torch.Tensor  # [n, k, K_q] int64: support of q at each slot
     q_probs: torch.Tensor  # [n, k, K_q] fp32: q on that support, rows sum to 1
+
+
+def scatter_proposal(part: Proposal, rows: list[int], n: int) -> Proposal:
+    """A proposal for ``n`` sequences holding ``part`` at ``rows`` (others: padding, unused)."""
+    k, kq = part.q_ids.shape[1:]
+    tokens = torch.full((n, k), -1, dtype=part.tokens.dtype)
+    q_ids = torch.zeros(n, k, kq, dtype=part.q_ids.dtype)
+    q_probs = torch.zeros(n, k, kq, dtype=part.q_probs.dtype)
+    q_probs[..., 0] = 1.0
+    index = torch.tensor(rows, dtype=torch.long)
+    tokens[index], q_ids[index], q_probs[index] = part.tokens, part.q_ids, part.q_probs
+    return Proposal(tokens, q_ids, q_probs)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from drafter_actor.messages import DraftRequest
+from drafter_actor.messages import DraftRequest, scatter_proposal
 from target_actor.batch import PrefillBatch, SeqSampling, StepResult, VerifyBatch
 from target_actor.config import TargetConfigError
 
@@ -44,10 +44,11 @@ class EngineConfig:
     max_prefill_seqs: int = 8
     drafter_name: str = ""  # for reports: a folder, "random", or "" in plain mode
     adaptive: bool = False  # pick each round's k (0 = plain) from measured acceptance and cost
+    probe_every: int = 256  # adaptive, drafter aside: rounds between probe sequences
 
     def __post_init__(self) -> None:
-        if self.k < 1 or self.max_num_seqs < 1 or self.max_prefill_seqs < 1:
-            raise ValueError("k, max_num_seqs and max_prefill_seqs must be >= 1")
+        if min(self.k, self.max_num_seqs, self.max_prefill_seqs, self.probe_every) < 1:
+            raise ValueError("k, max_num_seqs, max_prefill_seqs and probe_every must be >= 1")
 
 
 class Engine:
@@ -85,6 +86,13 @@ class Engine:
             if drafter is not None and self.config.adaptive and hasattr(drafter, "update")
             else None
         )
+        # The drafter put aside (adaptive k, drafting has stopped paying): sequences in
+        # ``_plain_only`` have no drafter state and decode plainly to the end, and the
+        # target skips the drafter's taps while no running sequence has state.
+        self._plain_only: set[int] = set()
+        self._probes: set[int] = set()  # sequences admitted with state while the drafter is aside
+        self._asleep = False
+        self._since_probe = 0
         if drafter is not None:
             target.set_summary_queries(drafter.summary_queries())
 
@@ -144,22 +152,29 @@ class Engine:
             return
         t0 = time.perf_counter()
         k = self.policy.choose(len(running)) if self.policy else self.config.k
+        if self.policy:
+            self._sleep_or_wake(running)
         num_draft = [self._num_draft(s, k) for s in running]
         batch = VerifyBatch(
             [s.seq_id for s in running],
             [s.anchor for s in running],
             [s.cache_len for s in running],
             num_draft,
-            want_updates=self.drafter is not None,
+            want_updates=self.drafter is not None
+            and any(s.seq_id not in self._plain_only for s in running),
         )
         proposal = None
         if self.drafter is not None and max(num_draft) > 0:
+            rows = [i for i, s in enumerate(running) if s.seq_id not in self._plain_only]
             requests = [
-                DraftRequest(s.seq_id, s.anchor, s.cache_len, s.params.temperature) for s in running
+                DraftRequest(s.seq_id, s.anchor, s.cache_len, s.params.temperature)
+                for s in (running[i] for i in rows)
             ]
             proposal = self.drafter.propose(requests, max(num_draft), self._updates)
             if proposal is None:  # the drafter failed this round: verify zero drafts
                 num_draft = batch.num_draft = [0] * len(running)
+            elif len(rows) < len(running):
+                proposal = scatter_proposal(proposal, rows, len(running))
         elif self.drafter is not None and self._updates is not None and self.policy:
             self.drafter.update(self._updates)  # a plain round: keep the drafter's views current
         t1 = time.perf_counter()
@@ -176,6 +191,39 @@ class Engine:
             num_accepted=result.num_accepted,
         )
 
+    def _sleep_or_wake(self, running: list[Sequence]) -> None:
+        """Put the drafter aside while drafting does not pay; take it back once it does.
+
+        Aside, running sequences lose their drafter state (no more taps or updates for
+        them) and new ones start without it, except one probe batch every
+        ``probe_every`` rounds, which drafts once in the next round so the policy
+        re-measures acceptance, and is then put aside too unless drafting pays again.
+        """
+        if self.policy.idle:
+            if not self._asleep:
+                self._asleep, self._since_probe = True, 0
+                self.stats.drafter_sleeps += 1
+                log.info("drafting does not pay here: drafter put aside")
+            self._since_probe += 1
+            drop = [
+                s.seq_id
+                for s in running
+                if s.seq_id not in self._plain_only
+                and not self._keeps_k(s)
+                and (s.stats.num_drafts > 0 or s.seq_id not in self._probes)
+            ]
+            if drop:
+                self.drafter.free(drop)
+                self._plain_only.update(drop)
+                self._probes.difference_update(drop)
+        elif self._asleep:
+            self._asleep = False
+            log.info("drafting pays again: drafter back")
+
+    def _keeps_k(self, seq: Sequence) -> bool:
+        """Seeded sampled requests draft a fixed k to the end (see ``_num_draft``)."""
+        return seq.params.seed is not None and seq.params.temperature > 0
+
     def _num_draft(self, seq: Sequence, k: int) -> int:
         """Drafts worth verifying: never past max_tokens or the context (0 = plain step).
 
@@ -183,9 +231,9 @@ class Engine:
         tokens use depends on the draft lengths, and the adaptive ``k`` follows timings,
         so only a fixed ``k`` makes the same seed give the same text.
         """
-        if self.drafter is None or not self._drafting(seq.seq_id):
+        if self.drafter is None or seq.seq_id in self._plain_only or not self._drafting(seq.seq_id):
             return 0
-        if seq.params.seed is not None and seq.params.temperature > 0:
+        if self._keeps_k(seq):
             k = self.config.k
         return max(0, min(k, seq.remaining - 1, self.max_len - seq.total_len - 1))
 
@@ -199,15 +247,31 @@ class Engine:
                 SeqSampling(s.params.temperature, s.params.top_k, s.params.top_p, s.params.seed)
                 for s in seqs
             ],
-            want_views=self.drafter is not None,
+            want_views=self._with_drafter(seqs),
         )
         result, views = self.target.prefill(batch)
-        if self.drafter is not None:
+        if batch.want_views:
             self.drafter.prefill(views)
+        elif self.drafter is not None:
+            self._plain_only.update(s.seq_id for s in seqs)
         now = time.monotonic()
         for s in seqs:
             s.first_token_time = now
         self._commit(seqs, result, [0] * len(seqs), count=False)
+
+    def _with_drafter(self, seqs: list[Sequence]) -> bool:
+        """Whether new sequences get drafter state (always, unless the drafter is aside)."""
+        if self.drafter is None:
+            return False
+        if not self._asleep or any(self._keeps_k(s) for s in seqs):
+            return True
+        if self._since_probe < self.config.probe_every:
+            return False
+        self._since_probe = 0  # a probe: it drafts in the next round, then is put aside
+        self._probes.update(s.seq_id for s in seqs)
+        self.stats.drafter_probes += len(seqs)
+        self.policy.explore_next()
+        return True
 
     def _commit(
         self, seqs: list[Sequence], result: StepResult, num_draft: list[int], count: bool = True
@@ -275,7 +339,11 @@ class Engine:
         ids = [s.seq_id for s in seqs]
         self.target.free(ids)
         if self.drafter is not None:
-            self.drafter.free(ids)
+            with_state = [i for i in ids if i not in self._plain_only]
+            self._plain_only.difference_update(ids)
+            self._probes.difference_update(ids)
+            if with_state:
+                self.drafter.free(with_state)
 
     # -- convenience --------------------------------------------------------------
     def generate(

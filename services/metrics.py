@@ -46,6 +46,8 @@ class EngineStats:
     # per finished request: what its client got (stop-string cuts excluded, aborts included)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    drafter_sleeps: int = 0  # times the adaptive policy put the drafter aside
+    drafter_probes: int = 0  # sequences admitted with drafter state while it was aside
     round_log: TimingLog = field(default_factory=TimingLog)  # (draft_s, verify_s, round_s)
     request_log: TimingLog = field(default_factory=TimingLog)  # (e2e_s,), aborts excluded
 
@@ -88,4 +90,6 @@ class EngineStats:
             "draft_ms_per_round": round(1e3 * self.draft_s / max(1, self.rounds), 3),
             "verify_ms_per_round": round(1e3 * self.verify_s / max(1, self.rounds), 3),
             "round_ms": round(1e3 * self.round_s / max(1, self.rounds), 3),
+            "drafter_sleeps": self.drafter_sleeps,
+            "drafter_probes": self.drafter_probes,
         }

@@ -13,12 +13,19 @@ with ``E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} alpha_j`` from the per-positio
 acceptance rates ``alpha_j`` seen so far (DSpark's view of the block: each position is
 accepted only if every earlier one was), and both costs from linear models fitted online
 to the measured rounds (``seconds ~ a + b * rows``, exponentially forgotten so they follow
-load and context changes). ``k = 0`` is a plain decoding round. The policy never changes
+load and context changes). ``k = 0`` is a plain decoding round. By default ``k`` is
+either 0 or ``k_max`` (``all_or_nothing``; ``_choices`` says why). The policy never changes
 what is generated, only how fast: verification stays lossless for any ``k``.
 
 It explores a little so its estimates stay fresh: every ``explore_every`` rounds it runs
 the alternative (one full-length draft while speculation is off, one plain round while it
 is on), so a drop in acceptance or a change in cost is noticed within a few dozen rounds.
+
+A plain round is not free while a drafter is attached: the target still returns its taps
+and the drafter still ingests them, to stay ready. Once plain rounds have won
+``sleep_after`` times in a row the policy reports itself ``idle``, and the engine then
+drops the drafter's per-sequence state and decodes without it (see ``Engine``), checking
+back now and then with one probe sequence.
 """
 
 from __future__ import annotations
@@ -71,8 +78,11 @@ class SpecPolicy:
     draft: LinearCost = field(default_factory=LinearCost)
     trials: list[float] = field(default_factory=list)
     accepts: list[float] = field(default_factory=list)
+    sleep_after: int = 16  # plain rounds chosen in a row before the policy is idle
+    all_or_nothing: bool = True  # choose k from {0, k_max} only (see _choices)
     since_other: int = 0  # rounds since the mode not chosen last was tried
     last_k: int = -1
+    plain_streak: int = 0  # rounds in a row whose best k (exploration aside) was 0
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -103,13 +113,32 @@ class SpecPolicy:
         """Draft length for a round of ``batch`` sequences (0 = plain)."""
         if not (self.verify.known and self.draft.known):
             k = self.k_max  # nothing measured yet: speculate, which measures both
+            self.plain_streak = 0
         else:
-            k = max(range(self.k_max + 1), key=lambda k: self._rate(batch, k))
+            k = max(self._choices(), key=lambda k: self._rate(batch, k))
+            self.plain_streak = self.plain_streak + 1 if k == 0 else 0
             if self.since_other >= self.explore_every:
                 k = 0 if k else self.k_max
         self.since_other = 0 if (k == 0) != (self.last_k == 0) else self.since_other + 1
         self.last_k = k
         return k
+
+    def _choices(self) -> range | tuple[int, int]:
+        """The draft lengths considered. On CPU a verify's cost is not linear in its rows:
+        the target's GEMMs are MKL-packed for 8 and 16 rows, so 5 rows cost more than 8.
+        A linear model then favours middle k that run slower than both ends (measured:
+        k of about 4 at C=1 ran at 0.69x of plain), so by default only plain or a full
+        block is chosen."""
+        return (0, self.k_max) if self.all_or_nothing else range(self.k_max + 1)
+
+    @property
+    def idle(self) -> bool:
+        """Drafting has not paid for ``sleep_after`` rounds: the drafter may be put aside."""
+        return self.plain_streak >= self.sleep_after
+
+    def explore_next(self) -> None:
+        """Try the other mode in the next round (a probe sequence just joined)."""
+        self.since_other = self.explore_every
 
     def _rate(self, batch: int, k: int) -> float:
         seconds = self.round_seconds(batch, k)

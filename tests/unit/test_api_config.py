@@ -9,11 +9,10 @@ import torch
 import yaml
 
 from api.errors import to_api_error
-from drafter_actor.messages import Proposal
+from drafter_actor.messages import Proposal, scatter_proposal
 from services.async_engine import EngineDeadError
 from services.sampling import InvalidRequest
 from services.serve_config import API_KEY_ENV, ServeArgs
-from services.serve_drafter import scatter_proposal
 from services.serve_launch import DEFAULT_CONFIG, settings_from
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -83,18 +83,22 @@ class Scripted(SpecPolicy):
         return self.last_k
 
 
+def spec_engine(path, config: EngineConfig) -> Engine:
+    """A spec engine on the tiny model with a random drafter (k = 4)."""
+    return Engine(
+        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)),
+        ByteTokenizer(),
+        random_drafter(path, k=4),
+        config,
+    )
+
+
 def plain_and_adaptive(path, ps: list[list[int]], params: SamplingParams) -> tuple[list, Engine]:
     """Plain decoding's outputs, and an adaptive spec engine (random drafter) to compare."""
     plain = Engine(
         LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)), ByteTokenizer()
     ).generate(ps, params)
-    engine = Engine(
-        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)),
-        ByteTokenizer(),
-        random_drafter(path, k=4),
-        EngineConfig(k=4, adaptive=True),
-    )
-    return plain, engine
+    return plain, spec_engine(path, EngineConfig(k=4, adaptive=True))
 
 
 def test_mixed_plain_and_spec_rounds_keep_output_and_drafter_in_sync(tiny_checkpoints):
@@ -119,13 +123,59 @@ def test_seeded_sampled_requests_keep_a_fixed_k_so_the_seed_reproduces(tiny_chec
     path = tiny_checkpoints["llama"]
     ps = prompts(3, 5)
     params = [SamplingParams(max_tokens=20, temperature=0.9, seed=11 + i) for i in range(3)]
-    fixed = Engine(
-        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)),
-        ByteTokenizer(),
-        random_drafter(path, k=4),
-        EngineConfig(k=4),
-    ).generate(ps, params)
+    fixed = spec_engine(path, EngineConfig(k=4)).generate(ps, params)
     _, adaptive = plain_and_adaptive(path, ps[:1], SamplingParams(max_tokens=1))
     adaptive.policy = Scripted(4)  # would alternate plain and drafting rounds
     outs = adaptive.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fixed]
+
+
+def test_policy_is_idle_after_plain_rounds_win_in_a_row_and_not_once_drafting_pays():
+    policy = SpecPolicy(k_max=7, explore_every=8, sleep_after=10)
+    linear = lambda rows: 0.030 + 0.002 * rows  # noqa: E731
+    for _ in range(40):
+        feed(policy, 4, policy.choose(4), accepted=0, verify=linear, draft=lambda r: 0.010)
+    assert policy.idle
+    for _ in range(40):  # drafts start being accepted: the estimate recovers, k > 0 wins
+        feed(policy, 4, 7, accepted=7, verify=linear, draft=lambda r: 0.001)
+    policy.choose(4)
+    assert not policy.idle
+
+
+def test_drafter_put_aside_when_it_does_not_pay_stays_lossless_and_probes(tiny_checkpoints):
+    """A random drafter never pays: the engine drops its states, probes now and then with a
+    new sequence, and every output still equals plain decoding; nothing leaks."""
+    path = tiny_checkpoints["llama"]
+    ps, params = prompts(8, 6), SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = Engine(
+        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)), ByteTokenizer()
+    ).generate(ps, params)
+    engine = spec_engine(path, EngineConfig(k=4, adaptive=True, max_num_seqs=2, probe_every=12))
+    engine.policy = SpecPolicy(4, explore_every=6, sleep_after=5)
+    states_while_aside = []
+    real_step = engine.step
+
+    def step() -> None:
+        real_step()
+        if engine._asleep:
+            states_while_aside.append(engine.drafter.num_states())
+
+    engine.step = step
+    outs = engine.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    s = engine.stats.summary()
+    assert s["drafter_sleeps"] >= 1 and s["drafter_probes"] >= 1
+    assert states_while_aside and min(states_while_aside) == 0  # no state kept while aside
+    assert engine.drafter.num_states() == 0 and engine.target.kv_stats()["num_seqs"] == 0
+    assert not engine._plain_only and not engine._probes
+
+
+def test_seeded_sampled_requests_keep_their_drafter_state_while_it_is_aside(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    ps = prompts(3, 7)
+    params = [SamplingParams(max_tokens=30, temperature=0.9, seed=5 + i) for i in range(3)]
+    fixed = spec_engine(path, EngineConfig(k=4)).generate(ps, params)
+    engine = spec_engine(path, EngineConfig(k=4, adaptive=True, probe_every=4))
+    engine.policy = SpecPolicy(4, sleep_after=1)
+    outs = engine.generate(ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in fixed]
