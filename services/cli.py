@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     drf.add_argument("--repeats", type=_positive_int, default=5)
     drf.add_argument("--draft-vocab-size", type=_positive_int, default=None)
     drf.add_argument("--json", default=None, help="write results to this JSON file")
+    drf.add_argument("--plot", default=None, help="write a PNG of the results here")
     drf.add_argument("--target", default=None)
     from .benchmarks.commands import add_bench_commands
 
@@ -340,6 +341,10 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             target=args.target,
             draft_vocab_size=args.draft_vocab_size,
         )
+        if args.plot:
+            from .benchmarks.plot import plot_drafter
+
+            plot_drafter(report, args.plot)
     text = json.dumps(report, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The throughput report as one PNG: tokens/s, TPOT and TTFT vs concurrency, TPOT vs length."""
+"""Reports as PNGs: throughput (tokens/s, TPOT and TTFT vs concurrency, TPOT vs length) and
+drafter scaling (drafting time and state bytes vs context)."""
 
 from __future__ import annotations
 
@@ -54,5 +55,31 @@ def plot_throughput(report: dict[str, Any], path: str | Path) -> None:
     fig.suptitle(f"longspark bench throughput: {report.get('model')}")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_drafter(report: dict[str, Any], path: str | Path) -> None:
+    """``bench drafter``: median propose() time and state bytes vs context, per drafter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_ax, state_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, by_context in report["results"].items():
+        contexts = sorted(by_context, key=int)
+        xs = [int(c) for c in contexts]
+        time_ax.plot(xs, [by_context[c]["median_ms"] for c in contexts], marker="o", label=name)
+        state_ax.plot(xs, [by_context[c]["state_bytes"] for c in contexts], marker="o", label=name)
+    time_ax.set(title="propose() median (ms)", xlabel="context (tokens)", xscale="log")
+    state_ax.set(
+        title="drafter state (bytes)", xlabel="context (tokens)", xscale="log", yscale="log"
+    )
+    for ax in (time_ax, state_ax):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(report.get("benchmark", "bench drafter"))
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

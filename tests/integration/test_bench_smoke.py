@@ -1,4 +1,5 @@
-"""Smoke runs of ``longspark bench throughput`` and ``bench peers`` at a tiny size.
+"""Smoke runs of ``longspark bench throughput``, ``bench peers`` and ``bench drafter`` at a
+tiny size.
 
 Behaviour only, never timing: the throughput run starts the service itself (Ray Serve,
 plain then speculative with a random drafter), streams over real HTTP, and must find the
@@ -100,3 +101,19 @@ def test_bench_peers_smoke_transformers_only(smollm2_path, tmp_path):
         assert level["output_tokens"] == 4 * 2 and level["tokens_per_s"] > 0
     # fp32 greedy: transformers one sequence at a time decodes exactly what we do
     assert results["transformers"]["levels"]["1"]["greedy_identical_to_ours"] == "2/2"
+
+
+def test_bench_drafter_smoke(smollm2_path, tmp_path):
+    """Both drafters (LongSpark and the full-prefix baseline) at two short contexts."""
+    report_path, png = tmp_path / "d.json", tmp_path / "d.png"
+    args = ["bench", "drafter", "--contexts", "384,768", "--k", "4", "--repeats", "1"]
+    done = run_cli([*args, "--json", str(report_path), "--plot", str(png)], timeout_s=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert set(report["results"]) == {"longspark", "full_prefix"}
+    for by_context in report["results"].values():
+        assert set(by_context) == {"384", "768"}
+    # LongSpark's state is fixed-size; the baseline's grows with the context
+    assert report["summary"]["longspark_state_ratio"] == 1.0
+    assert report["summary"]["full_prefix_state_ratio"] > 1.0
+    assert png.stat().st_size > 0
