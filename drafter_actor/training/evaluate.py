@@ -22,7 +22,7 @@ from ..config import DrafterConfigError
 from ..drafter import Drafter
 from .carryover import greedy_drafts
 from .config import MAX_K, TrainError
-from .data import Sequence, read_manifest, read_records, split_holdout, to_sequence
+from .data import Sequence, read_sequences, split_holdout
 from .tap_cache import TapCache
 from .target_pass import TargetPass
 from .trainer import HOLDOUT, TRAIN_CONFIG, resolve_target_path
@@ -61,14 +61,10 @@ def evaluate_tau(
     if not 1 <= k <= MAX_K:
         raise TrainError(f"k={k} outside 1..{MAX_K}")
 
-    manifest = read_manifest(data_dir)
-    eos_ids = (
-        manifest.get("eos_token_ids") or ModelConfig.from_pretrained(target_path).eos_token_ids
-    )
-    eos = int(eos_ids[0]) if eos_ids else None
     max_len = int(info.get("max_len", 768))
-    seqs = [to_sequence(r, max_len, eos) for r in read_records(data_dir, net.cfg.target.vocab_size)]
-    seqs = [s for s in seqs if s.num_anchors > 0]
+    eos_ids = ModelConfig.from_pretrained(target_path).eos_token_ids
+    seqs = read_sequences(str(data_dir), net.cfg.target.vocab_size, max_len, eos_ids)
+    seqs = [s for s in seqs if not s.target_labels]  # acceptance is exact on the target's text
     held_path = drafter_dir / HOLDOUT
     held = json.loads(held_path.read_text()) if held_path.is_file() else None
     if held is None:

@@ -6,7 +6,8 @@ Layout of a cache folder::
 
     index.json               meta (target fingerprint, taps, dtype) + one entry per sequence
     part-00000.safetensors   hidden [n, L, d], k / v [n, L, H_kv, hd], tokens [n] (n rows
-                             of several sequences, concatenated)
+                             of several sequences, concatenated); for parts holding text
+                             the target did not write, greedy [n]: its next token per row
 
 Parts are written as they fill and the index after each part, so an interrupted build
 goes on where it stopped, and new records (data still being generated) are added on the
@@ -52,6 +53,7 @@ class Entry:
     length: int
     prompt_len: int
     hash: int
+    greedy: bool = False  # the part holds the target's greedy next token of every row
 
 
 class TapCache:
@@ -78,6 +80,14 @@ class TapCache:
         rows = slice(e.row, e.row + e.length)
         return tuple(f.get_slice(n)[rows] for n in ("tokens", "hidden", "k", "v"))  # type: ignore[return-value]
 
+    def next_tokens(self, seq_id: str) -> torch.Tensor | None:
+        """The target's greedy token after each row ``[T]``, if cached for this sequence."""
+        e = self.entries[seq_id]
+        if not e.greedy:
+            return None
+        self.get(seq_id)  # opens the part
+        return self._files[e.part].get_slice("greedy")[e.row : e.row + e.length]
+
 
 def _matches(entry: Entry | None, seq: Sequence) -> bool:
     return (
@@ -85,6 +95,7 @@ def _matches(entry: Entry | None, seq: Sequence) -> bool:
         and entry.length == len(seq.tokens)
         and entry.prompt_len == seq.prompt_len
         and entry.hash == token_hash(seq.tokens)
+        and (entry.greedy or not seq.target_labels)
     )
 
 
@@ -128,6 +139,7 @@ def build_tap_cache(
             for old in folder.glob("part-*.safetensors"):
                 old.unlink()
     todo = [s for s in seqs if not _matches(Entry(**entries[s.id]) if s.id in entries else None, s)]
+    todo.sort(key=lambda s: s.target_labels)  # parts of one kind: greedy tokens where needed
     parts = [int(p.stem.split("-")[1]) for p in folder.glob("part-*.safetensors")]
     next_part = max(parts, default=-1) + 1
     stats = {"sequences": float(len(todo)), "tokens": 0.0, "seconds": 0.0}
@@ -135,15 +147,18 @@ def build_tap_cache(
     t0 = time.perf_counter()
     for start in range(0, len(todo), PART_SEQS):
         group = todo[start : start + PART_SEQS]
-        taps = _compute(target_pass, group, DTYPES[dtype], bar)
+        greedy = any(s.target_labels for s in group)
+        taps = _compute(target_pass, group, DTYPES[dtype], bar, greedy)
         name = f"part-{next_part:05d}.safetensors"
         next_part += 1
         tensors = {
             "tokens": torch.tensor([t for s in group for t in s.tokens], dtype=torch.int32),
-            "hidden": torch.cat([h for h, _, _ in taps]),
-            "k": torch.cat([k for _, k, _ in taps]),
-            "v": torch.cat([v for _, _, v in taps]),
+            "hidden": torch.cat([t[0] for t in taps]),
+            "k": torch.cat([t[1] for t in taps]),
+            "v": torch.cat([t[2] for t in taps]),
         }
+        if greedy:
+            tensors["greedy"] = torch.cat([t[3] for t in taps]).to(torch.int32)
         tmp = folder / (name + ".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, folder / name)
@@ -155,6 +170,7 @@ def build_tap_cache(
                 length=len(s.tokens),
                 prompt_len=s.prompt_len,
                 hash=token_hash(s.tokens),
+                greedy=greedy,
             )
             row += len(s.tokens)
         stats["tokens"] += row
@@ -166,7 +182,9 @@ def build_tap_cache(
     return TapCache(folder), stats
 
 
-def _compute(target_pass: TargetPass, group: list[Sequence], dtype: torch.dtype, bar) -> list:
+def _compute(
+    target_pass: TargetPass, group: list[Sequence], dtype: torch.dtype, bar, greedy: bool
+) -> list:
     out: list = [None] * len(group)
     order = sorted(range(len(group)), key=lambda i: len(group[i].tokens))
     i = 0
@@ -176,10 +194,10 @@ def _compute(target_pass: TargetPass, group: list[Sequence], dtype: torch.dtype,
             pack.append(order[i])
             n += len(group[order[i]].tokens)
             i += 1
-        for j, (h, k, v) in zip(
-            pack, target_pass.taps([group[j].tokens for j in pack]), strict=True
+        for j, taps in zip(
+            pack, target_pass.taps([group[j].tokens for j in pack], greedy), strict=True
         ):
-            out[j] = tuple(_cast(x, dtype) for x in (h, k, v))
+            out[j] = tuple(_cast(x, dtype) for x in taps[:3]) + taps[3:]
         bar.update(len(pack))
     return out
 

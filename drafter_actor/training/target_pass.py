@@ -3,7 +3,9 @@
 * ``taps``: a plain causal forward over whole recorded sequences (several packed into one
   pass), returning the tapped layers' hidden states and K/V rows, as the engine's
   ``TargetRunner.forward(..., return_taps=True)`` would, but without a KV cache and with
-  the fused causal attention kernel (about 1.5x faster on CPU for 768 tokens).
+  the fused causal attention kernel (about 1.5x faster on CPU for 768 tokens); optionally
+  also the target's greedy next token after every row (the labels of text the target
+  did not write itself).
 * ``verify_branches``: the Carryover draft-verify step for many anchors of one recorded
   sequence at once. The recorded prefix runs once; each branch ``[x_a, d_1..d_k]`` at
   positions ``a..a+k`` attends to the prefix rows ``< a`` and causally to its own rows
@@ -22,6 +24,8 @@ import torch.nn.functional as F
 
 from target_actor.model import DecoderLayer, TargetModel, rms_norm
 from target_actor.rope import apply_rope
+
+GREEDY_ROWS = 256  # rows per LM-head call of ``taps(..., greedy=True)``
 
 
 def _qkv(
@@ -73,15 +77,16 @@ class TargetPass:
         self.tap_ids = list(model.cfg.tap_layer_ids)
 
     @torch.inference_mode()
-    def taps(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per sequence: tapped hidden ``[T, L, d]`` and K, V ``[T, L, H_kv, hd]`` (post-RoPE)."""
+    def taps(self, seqs: list[list[int]], greedy: bool = False) -> list[tuple[torch.Tensor, ...]]:
+        """Per sequence: tapped hidden ``[T, L, d]`` and K, V ``[T, L, H_kv, hd]`` (post-RoPE);
+        with ``greedy`` also the target's argmax next token ``[T]`` after every row."""
         m = self.model
         lens = [len(s) for s in seqs]
         tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
         cos, sin = m.rope.lookup(torch.cat([torch.arange(n) for n in lens]))
         h = F.embedding(tokens, m.embed)
         hs, ks, vs = [], [], []
-        last = max(self.tap_ids)
+        last = len(m.layers) - 1 if greedy else max(self.tap_ids)
         for i, layer in enumerate(m.layers[: last + 1]):
             q, k, v = _qkv(layer, h, cos, sin)
             parts, off = [], 0
@@ -95,7 +100,11 @@ class TargetPass:
                 ks.append(k)
                 vs.append(v)
         hidden, kk, vv = torch.stack(hs, 1), torch.stack(ks, 1), torch.stack(vs, 1)
-        return list(zip(hidden.split(lens), kk.split(lens), vv.split(lens), strict=True))
+        out = [hidden.split(lens), kk.split(lens), vv.split(lens)]
+        if greedy:  # the LM head a few hundred rows at a time: [rows, vocab] stays small
+            best = torch.cat([m.logits(c).argmax(-1) for c in h.split(GREEDY_ROWS)])
+            out.append(best.split(lens))
+        return list(zip(*out, strict=True))
 
     @torch.inference_mode()
     def verify_branches(

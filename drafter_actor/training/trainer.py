@@ -40,14 +40,7 @@ from .checkpoint import (
     trainer_state,
 )
 from .config import TrainConfig, TrainError
-from .data import (
-    Sequence,
-    draft_vocabulary,
-    read_manifest,
-    read_records,
-    split_holdout,
-    to_sequence,
-)
+from .data import Sequence, draft_vocabulary, read_sequences, split_holdout
 from .objective import BlockStats, block_loss
 from .tap_cache import build_tap_cache
 from .target_pass import TargetPass
@@ -74,12 +67,7 @@ def resolve_target_path(spec: str | None) -> Path:
 
 def load_sequences(cfg: TrainConfig, target: ModelConfig) -> list[Sequence]:
     """The data folder's records as training sequences (those with at least one anchor)."""
-    manifest = read_manifest(cfg.data_dir)
-    records = read_records(cfg.data_dir, target.vocab_size)
-    eos_ids = manifest.get("eos_token_ids") or list(target.eos_token_ids)
-    eos = int(eos_ids[0]) if eos_ids else None
-    seqs = [to_sequence(r, cfg.max_len, eos) for r in records]
-    seqs = [s for s in seqs if s.num_anchors > 0]
+    seqs = read_sequences(cfg.data_dir, target.vocab_size, cfg.max_len, target.eos_token_ids)
     if cfg.max_seqs:
         seqs = seqs[: cfg.max_seqs]
     if len(seqs) <= cfg.eval_seqs:
@@ -115,8 +103,11 @@ class Trainer:
             if missing:
                 raise TrainError(f"cannot resume: record {missing[0]!r} is no longer in the data")
             seqs = [by_id[i] for i in train_ids + self.held_ids]
-        else:
-            train_ids, self.held_ids = split_holdout([s.id for s in seqs], cfg.eval_seqs)
+        else:  # held out: the target's own text, where acceptance is measured exactly
+            own = [s.id for s in seqs if not s.target_labels] or [s.id for s in seqs]
+            self.held_ids = split_holdout(own, cfg.eval_seqs)[1]
+            held = set(self.held_ids)
+            train_ids = [s.id for s in seqs if s.id not in held]
         self.train_seqs = [by_id[i] for i in train_ids]
         base_dir = self.resume_from or (Path(cfg.init_from) if cfg.init_from else None)
         saved: tuple[DrafterConfig, dict[str, torch.Tensor]] | None = None
@@ -159,7 +150,8 @@ class Trainer:
             coverage = _coverage(self.train_seqs, d2t)
         else:
             eos = tuple(t.eos_token_ids)
-            d2t, coverage = draft_vocabulary(self.train_seqs, cfg.draft_vocab, t.vocab_size, eos)
+            own = [s for s in self.train_seqs if not s.target_labels] or self.train_seqs
+            d2t, coverage = draft_vocabulary(own, cfg.draft_vocab, t.vocab_size, eos)
             extra = {"mlp_width": cfg.mlp_width} if cfg.mlp_width else {}
             dcfg = DrafterConfig.for_target(
                 t,
@@ -201,10 +193,11 @@ class Trainer:
             picks.append(self.train_seqs[int(perm[p % n])])
         gen = _gen(cfg.seed, 2, step)
         items = [self.cache.get(s.id) for s in picks]
+        nexts = [self.cache.next_tokens(s.id) if s.target_labels else None for s in picks]
         anchors = [
             sample_anchors(len(s.tokens), s.prompt_len, cfg.anchors_per_seq, gen) for s in picks
         ]
-        return Batch.collate(items), Anchors.pad(anchors)
+        return Batch.collate(items, nexts), Anchors.pad(anchors)
 
     # -- one step ----------------------------------------------------------------------
 

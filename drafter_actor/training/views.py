@@ -43,24 +43,38 @@ class Batch:
     hidden: torch.Tensor  # [B, T, L, d] fp32
     k: torch.Tensor  # [B, T, L, H_kv, hd] fp32, post-RoPE
     v: torch.Tensor  # [B, T, L, H_kv, hd] fp32
+    # [B, T] int64: the target's greedy token after each row, for text it did not write
+    # itself (``None``: every sequence is the target's own, the next recorded token is it)
+    next_tokens: torch.Tensor | None = None
 
     @classmethod
     def collate(
-        cls, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+        cls,
+        items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+        next_tokens: list[torch.Tensor | None] | None = None,
     ) -> Batch:
-        """From per-sequence ``(tokens [T_b], hidden [T_b, L, d], k, v [T_b, L, H_kv, hd])``."""
+        """From per-sequence ``(tokens [T_b], hidden [T_b, L, d], k, v [T_b, L, H_kv, hd])``
+        and, for sequences the target did not write, its greedy next tokens ``[T_b]``."""
         lengths = torch.tensor([t.shape[0] for t, *_ in items])
         T = int(lengths.max())
 
         def pad(x: torch.Tensor) -> torch.Tensor:
             return F.pad(x, (0, 0) * (x.dim() - 1) + (0, T - x.shape[0]))
 
+        tokens = torch.stack([pad(t.long()) for t, *_ in items])
+        nxt = None
+        if next_tokens is not None and any(n is not None for n in next_tokens):
+            own = F.pad(tokens[:, 1:], (0, 1))  # the target's own text: its next token
+            nxt = torch.stack(
+                [own[b] if n is None else pad(n.long()) for b, n in enumerate(next_tokens)]
+            )
         return cls(
-            tokens=torch.stack([pad(t.long()) for t, *_ in items]),
+            tokens=tokens,
             lengths=lengths,
             hidden=torch.stack([pad(h.float()) for _, h, _, _ in items]),
             k=torch.stack([pad(k.float()) for *_, k, _ in items]),
             v=torch.stack([pad(v.float()) for *_, v in items]),
+            next_tokens=nxt,
         )
 
 
@@ -229,8 +243,21 @@ def block_logits(net: DrafterNetwork, views: AnchorViews, batch: Batch, k: int) 
 
 
 def block_labels(batch: Batch, views: AnchorViews, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recorded tokens at ``t+1..t+k`` (target ids) ``[N, k]`` and where they exist."""
+    """The target's greedy tokens at ``t+1..t+k`` (target ids) ``[N, k]`` and where known.
+
+    For the target's own text they are the recorded tokens. For other text
+    (``batch.next_tokens``) slot ``i``'s label is the target's greedy token after row
+    ``t+i-1``; it is the target's greedy continuation of the anchor only while the text
+    before it agrees with the target (rows ``t+1..t+i-1`` are its greedy picks), so a slot
+    counts only up to the first disagreement.
+    """
+    seq, T = views.seq.unsqueeze(1), batch.tokens.shape[1]
     idx = views.pos.unsqueeze(1) + torch.arange(1, k + 1)  # [N, k]
     valid = idx < batch.lengths[views.seq].unsqueeze(1)
-    labels = batch.tokens[views.seq.unsqueeze(1), idx.clamp(max=batch.tokens.shape[1] - 1)]
-    return labels, valid
+    at = idx.clamp(max=T - 1)
+    if batch.next_tokens is None:
+        return batch.tokens[seq, at], valid
+    labels = batch.next_tokens[seq, at - 1]
+    agree = (batch.tokens[seq, at] == labels) | ~valid  # row t+i is the target's pick
+    consistent = torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1].cumprod(1).bool()], 1)
+    return labels, valid & consistent

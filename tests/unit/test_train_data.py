@@ -191,3 +191,41 @@ def test_malformed_folders_are_one_line_errors(chat_target, tmp_path, monkeypatc
         read_training_data(d)
     with pytest.raises(TrainDataError, match="manifest.json is malformed"):
         run(d, chat_target, n=8)
+
+
+# -- ShareGPT's own replies (services.train_replies) ---------------------------------------
+
+
+def test_reply_data_keeps_replies_after_the_skipped_prompts(chat_target, tmp_path):
+    from services.train_replies import build_reply_data
+
+    pool = prompts(10)
+    replies = {p.id: f"Answer {i}." for i, p in enumerate(pool)}
+    replies[pool[3].id] = ""  # no usable reply: skipped
+    replies[pool[4].id] = "x" * 50  # longer than max_tokens: cut, "length"
+    manifest = build_reply_data(
+        tmp_path / "r",
+        20,
+        skip_prompts=2,
+        max_tokens=12,
+        target=chat_target,
+        prompts=pool,
+        replies=replies,
+    )
+    assert manifest["responses"] == "sharegpt" and manifest["skip_prompts"] == 2
+    assert manifest["vocab_size"] == 128 and manifest["eos_token_ids"] == [3]
+    recs = as_dict(tmp_path / "r")
+    import random
+
+    order = list(pool)
+    random.Random(0).shuffle(order)
+    expected = [p.id for p in order[2:] if replies[p.id]]
+    assert list(recs) == expected and manifest["num_records"] == len(expected)
+    for pid, (_, response_ids, reason) in recs.items():
+        text = replies[pid]
+        assert reason == ("length" if len(text) > 12 else "stop")
+        assert len(response_ids) == min(len(text), 12)
+    with pytest.raises(TrainDataError, match="not empty"):
+        build_reply_data(tmp_path / "r", 5, target=chat_target, prompts=pool, replies=replies)
+    with pytest.raises(TrainDataError, match="skip_prompts"):
+        build_reply_data(tmp_path / "s", 5, skip_prompts=-1, target=chat_target, prompts=pool)

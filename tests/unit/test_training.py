@@ -602,3 +602,97 @@ def test_export_writes_drafter_weights_without_machine_paths(trained, target_dir
         assert torch.allclose(x.float(), y.float(), rtol=1e-2, atol=1e-3), name
     with pytest.raises(TrainError, match="no checkpoint at step 7"):
         export_drafter(trained, tmp_path / "x", step=7)
+
+
+# -- text the target did not write: labels are its greedy next tokens -----------------------
+
+
+def test_tap_pass_greedy_tokens_are_the_runner_argmax(runner):
+    tpass = TargetPass(runner.model)
+    seqs = [list(range(3, 40)), list(range(50, 61))]
+    for (h, _, _, greedy), tokens in zip(tpass.taps(seqs, greedy=True), seqs, strict=True):
+        out = runner.forward(ForwardBatch.single(7, tokens, 0, len(tokens)))
+        runner.free([7])
+        assert greedy.tolist() == out.logits.argmax(-1).tolist()
+        assert h.shape[0] == len(tokens)
+
+
+def test_labels_of_other_text_count_only_while_it_agrees_with_the_target():
+    from drafter_actor.training.views import AnchorViews, block_labels
+
+    tokens = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+    # the target's pick after each row: agrees with the text after rows 1, 2 and 4 only
+    greedy = torch.tensor([30, 7, 8, 31, 10, 32, 33, 34])
+    items = [
+        (t, torch.zeros(len(t), 1, 2), torch.zeros(len(t), 1, 1, 2), torch.zeros(len(t), 1, 1, 2))
+        for t in (tokens, tokens[:6])
+    ]
+    batch = Batch.collate(items, [greedy, None])
+    views = AnchorViews([], torch.tensor([0, 0, 1]), torch.tensor([1, 3, 1]), torch.zeros(3, 2))
+    labels, valid = block_labels(batch, views, 4)
+    # anchor at row 1: slots predict rows 2..5; labels greedy[1..4]; rows 2, 3 agree, row 4 not
+    assert labels[0].tolist() == [7, 8, 31, 10] and valid[0].tolist() == [True, True, True, False]
+    # anchor at row 3: greedy[3..6]; row 4 holds 9, not the target's 31: only slot 1 counts
+    assert labels[1].tolist() == [31, 10, 32, 33] and valid[1].tolist() == [
+        True,
+        False,
+        False,
+        False,
+    ]
+    # the target's own text: recorded tokens, valid up to the end
+    assert labels[2].tolist() == [7, 8, 9, 10] and valid[2].tolist() == [True, True, True, True]
+
+
+def test_tap_cache_keeps_greedy_tokens_for_other_text(runner, tmp_path):
+    from drafter_actor.training.tap_cache import build_tap_cache
+
+    tpass = TargetPass(runner.model)
+    own = Sequence("own", list(range(3, 30)), 5)
+    other = Sequence("other", list(range(10, 40)), 5, target_labels=True)
+    cache, stats = build_tap_cache(tmp_path, [own], tpass, "float32", progress=False)
+    assert cache.next_tokens("own") is None
+    cache, stats = build_tap_cache(tmp_path, [own, other], tpass, "float32", progress=False)
+    assert stats["sequences"] == 1  # only the new one
+    assert (
+        cache.next_tokens("other").tolist()
+        == tpass.taps([other.tokens], greedy=True)[0][3].tolist()
+    )
+    relabel = Sequence("own", own.tokens, 5, target_labels=True)  # cached without greedy
+    cache, stats = build_tap_cache(tmp_path, [relabel, other], tpass, "float32", progress=False)
+    assert stats["sequences"] == 1 and cache.next_tokens("own") is not None
+
+
+def reply_records(runner: TargetRunner, n: int) -> list[Record]:
+    """Text the target did not write: its own answers with every third token changed."""
+    records = greedy_records(runner, n, 30, seed=7)
+    return [
+        Record(
+            f"reply-{i}",
+            r.prompt_ids,
+            [t if j % 3 else (t + 1) % VOCAB for j, t in enumerate(r.response_ids)],
+            r.finish_reason,
+        )
+        for i, r in enumerate(records)
+    ]
+
+
+def test_training_on_target_text_and_other_text_together(target_dir, runner, data_dir, tmp_path):
+    other = tmp_path / "replies"
+    write_data(other, reply_records(runner, 12))
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "responses": "sharegpt"}))
+    out = tmp_path / "mixed"
+    cfg = small_config(f"{data_dir},{other}", out, target=str(target_dir), steps=6)
+    train_drafter(cfg)
+    info = json.loads((out / "train_config.json").read_text())
+    assert info["num_train_seqs"] == 20 - 4 + 12
+    held = json.loads((out / "holdout_ids.json").read_text())
+    assert len(held) == 4 and not any(h.startswith("reply-") for h in held)  # own text only
+    assert evaluate_tau(out, cfg.data_dir)["num_seqs"] == 4
+    rows = read_log(out)
+    assert len(rows) == 6 and all(r["loss"] == r["loss"] for r in rows)  # finite
+
+
+def test_a_record_id_in_two_data_folders_is_a_one_line_error(target_dir, data_dir, tmp_path):
+    cfg = small_config(f"{data_dir},{data_dir}", tmp_path / "dup", target=str(target_dir))
+    assert "also in another folder" in one_line_error(lambda: train_drafter(cfg))
