@@ -55,17 +55,19 @@ def plain_outputs(smollm2_path, chats):
     return [o.token_ids for o in outs]
 
 
-V1 = Path(__file__).resolve().parents[2] / "drafter_actor" / "weights" / "SmolLM2-135M-Instruct-v1"
+WEIGHTS = Path(__file__).resolve().parents[2] / "drafter_actor" / "weights"
 
 
 def _trained() -> list[str]:
-    """The committed trained drafters: the shipped (default) one and the opt-in v1."""
+    """The committed trained drafters: the shipped (default) one and the opt-in versions
+    (``SmolLM2-135M-Instruct-v<N>``)."""
     from services.backends import shipped_drafter
     from target_actor.checkpoint import default_model_dir
 
     shipped = shipped_drafter(default_model_dir())
     found = [shipped] if shipped else []
-    return [str(p) for p in [*found, V1] if (p / "config.json").is_file()]
+    found += sorted(WEIGHTS.glob("SmolLM2-135M-Instruct-v*"))
+    return [str(p) for p in found if (Path(p) / "config.json").is_file()]
 
 
 def _drafters() -> list:
