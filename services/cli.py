@@ -297,7 +297,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
         )
         print(json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=2))
     elif args.train_command == "data":
-        from .train_data import generate_training_data
+        from .train_data import TrainDataError, generate_training_data
+
+        if args.skip_prompts:
+            raise TrainDataError("--skip-prompts applies only to --responses sharegpt")
 
         manifest = generate_training_data(
             args.out,

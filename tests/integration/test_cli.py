@@ -125,3 +125,18 @@ def test_prompt_longer_than_context(tmp_path, smollm2_path):
     proc = run_cli("generate", "--prompt", "word " * 40, "--target", str(small))
     assert proc.returncode == 2 and "context" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--skip-prompts", "5"], "applies only to --responses sharegpt"),
+        (["--responses", "sharegpt", "--skip-prompts", "-1"], "skip_prompts must be >= 0"),
+        (["--responses", "web"], "invalid choice"),
+    ],
+)
+def test_bad_train_data_input_is_one_line_error(tmp_path, args, message):
+    proc = run_cli("train", "data", "--num-prompts", "3", "--out", str(tmp_path / "d"), *args)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -39,3 +41,26 @@ def test_smollm2_answers_sharegpt_prompts(smollm2_path, tmp_path):
         )
     expected = out[0, len(r.prompt_ids) :].tolist()
     assert r.response_ids + ([2] if r.finish_reason == "stop" else []) == expected
+
+
+def test_sharegpt_replies_make_records_without_benchmark_text(smollm2_path, tmp_path):
+    from services.prompts import BENCHMARK_SETS, OverlapIndex, load_sharegpt_replies
+    from services.train_replies import build_reply_data
+
+    replies = load_sharegpt_replies()
+    bench = OverlapIndex(p for s in BENCHMARK_SETS.values() for p in load_prompts(s))
+    assert len(replies) > 8000 and not any(bench.hits(r) for r in list(replies.values())[:300])
+    manifest = build_reply_data(tmp_path / "r", 40, skip_prompts=4100, max_tokens=64)
+    assert manifest["responses"] == "sharegpt" and manifest["num_records"] == 40
+    pool = load_prompts("sharegpt")
+    random.Random(0).shuffle(pool)  # the order the regenerated set draws its prompts from
+    regen_ids = {p.id for p in pool[:4100]}
+    tok = Tokenizer(smollm2_path)
+    train = {p.id: p.prompt for p in load_prompts("sharegpt")}
+    for r in read_training_data(tmp_path / "r"):
+        assert r.id not in regen_ids and normalise(train[r.id]) in normalise(
+            tok.hf.decode(r.prompt_ids)
+        )
+        text = normalise(tok.hf.decode(r.response_ids))
+        assert text and normalise(replies[r.id]).startswith(text[:40])
+        assert r.finish_reason == "stop" or len(r.response_ids) == 64
