@@ -284,34 +284,26 @@ def _cmd_data(args: argparse.Namespace) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
-    if args.train_command == "data" and args.responses == "sharegpt":
+    if args.train_command == "data":
+        from .train_data import TrainDataError, generate_training_data
         from .train_replies import build_reply_data
 
-        manifest = build_reply_data(
-            args.out,
-            args.num_prompts,
-            skip_prompts=args.skip_prompts,
-            max_tokens=args.max_tokens,
-            target=args.target,
-            seed=args.seed,
-        )
-        print(json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=2))
-    elif args.train_command == "data":
-        from .train_data import TrainDataError, generate_training_data
-
-        if args.skip_prompts:
+        common = dict(max_tokens=args.max_tokens, target=args.target, seed=args.seed)
+        if args.responses == "sharegpt":
+            manifest = build_reply_data(
+                args.out, args.num_prompts, skip_prompts=args.skip_prompts, **common
+            )
+        elif args.skip_prompts:
             raise TrainDataError("--skip-prompts applies only to --responses sharegpt")
-
-        manifest = generate_training_data(
-            args.out,
-            args.num_prompts,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            batch_size=args.batch_size,
-            target=args.target,
-            seed=args.seed,
-        )
-        print(json.dumps(manifest, indent=2))
+        else:
+            manifest = generate_training_data(
+                args.out,
+                args.num_prompts,
+                temperature=args.temperature,
+                batch_size=args.batch_size,
+                **common,
+            )
+        print(json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=2))
     elif args.train_command == "export":
         from drafter_actor.training.export import export_drafter
 

@@ -76,11 +76,7 @@ def generate_training_data(
     from .backends import EngineOptions, build_engine
     from .sampling import InvalidRequest, SamplingParams
 
-    for name, value in (("num_prompts", num_prompts), ("max_tokens", max_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise TrainDataError(f"{name} must be a positive integer, got {value!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise TrainDataError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_positive(num_prompts=num_prompts, max_tokens=max_tokens, batch_size=batch_size)
     try:
         SamplingParams(max_tokens=max_tokens, temperature=temperature)
         path = resolve_target(target)
@@ -140,6 +136,13 @@ def generate_training_data(
         finally:
             close()
     return _read_manifest(out)
+
+
+def check_positive(**values: Any) -> None:
+    """``TrainDataError`` naming the first value that is not a positive integer."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TrainDataError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _plan(

@@ -33,6 +33,7 @@ from .train_data import (
     _locked,
     _read_manifest,
     _write_manifest,
+    check_positive,
 )
 
 
@@ -56,9 +57,7 @@ def build_reply_data(
 
     from .tokenizer import Tokenizer
 
-    for name, value in (("num_prompts", num_prompts), ("max_tokens", max_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise TrainDataError(f"{name} must be a positive integer, got {value!r}")
+    check_positive(num_prompts=num_prompts, max_tokens=max_tokens)
     if not isinstance(skip_prompts, int) or skip_prompts < 0:
         raise TrainDataError(f"skip_prompts must be >= 0, got {skip_prompts!r}")
     try:
