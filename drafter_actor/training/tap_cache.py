@@ -73,20 +73,19 @@ class TapCache:
         return _matches(self.entries.get(seq.id), seq)
 
     def get(self, seq_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(self._read(seq_id, n) for n in ("tokens", "hidden", "k", "v"))  # type: ignore[return-value]
+
+    def next_tokens(self, seq_id: str) -> torch.Tensor | None:
+        """The target's greedy token after each row ``[T]``, if cached for this sequence."""
+        return self._read(seq_id, "greedy") if self.entries[seq_id].greedy else None
+
+    def _read(self, seq_id: str, name: str) -> torch.Tensor:
+        """One tensor's rows of one sequence (the part file is opened once, memory-mapped)."""
         e = self.entries[seq_id]
         f = self._files.get(e.part)
         if f is None:
             f = self._files[e.part] = safe_open(str(self.folder / e.part), framework="pt")
-        rows = slice(e.row, e.row + e.length)
-        return tuple(f.get_slice(n)[rows] for n in ("tokens", "hidden", "k", "v"))  # type: ignore[return-value]
-
-    def next_tokens(self, seq_id: str) -> torch.Tensor | None:
-        """The target's greedy token after each row ``[T]``, if cached for this sequence."""
-        e = self.entries[seq_id]
-        if not e.greedy:
-            return None
-        self.get(seq_id)  # opens the part
-        return self._files[e.part].get_slice("greedy")[e.row : e.row + e.length]
+        return f.get_slice(name)[e.row : e.row + e.length]
 
 
 def _matches(entry: Entry | None, seq: Sequence) -> bool:
