@@ -102,6 +102,8 @@ def _pad_rows(views: list[torch.Tensor]) -> torch.Tensor:
 class FullPrefixDrafter(Drafter):
     """DFlash-style drafter over the whole prefix, with :class:`Drafter`'s interface."""
 
+    copies_context = False  # the network alone: the baseline the views are compared with
+
     @classmethod
     def sharing(cls, drafter: Drafter, seed: int = 0) -> FullPrefixDrafter:
         """A baseline with the same network (weights) as ``drafter``."""

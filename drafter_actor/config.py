@@ -73,6 +73,8 @@ class DrafterConfig:
     proposal_support: int = 8  # K_q: ids per slot in the shipped proposal q
     carry: bool = True  # carryover of the rejected positions' hidden states
     boundary_input: bool = False  # also add the boundary state to every block row's input
+    context_copy: bool = False  # draft recent n-gram continuations where sure (context_copy.py)
+    copy_input: bool = False  # the network also reads the copy candidates in its MASK rows
 
     def __post_init__(self) -> None:
         t = self.target

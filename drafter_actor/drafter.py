@@ -19,6 +19,7 @@ from target_actor.config import ModelConfig
 
 from .checkpoint import load_drafter_weights, load_target_head, save_drafter
 from .config import DrafterConfig, DrafterConfigError
+from .context_copy import apply_copies, copy_inputs, find_copy
 from .markov import sample_block
 from .messages import DraftRequest, PrefillViews, Proposal, RoundUpdate
 from .network import DrafterNetwork, LayerContext
@@ -43,16 +44,18 @@ def draft_block(
     contexts: list[LayerContext],
     k: int,
     boundary: torch.Tensor | None = None,
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Proposal:
     """One parallel block pass over ``contexts``, then Markov-corrected sampling of k slots.
 
-    ``boundary`` ``[n, d]``: the fused boundary states, for drafters with ``boundary_input``.
+    ``boundary`` ``[n, d]``: the fused boundary states, for drafters with ``boundary_input``;
+    ``copies``: context-copy candidates and match lengths, for drafters with ``copy_input``.
     """
     anchors = torch.tensor([r.anchor for r in requests])  # [n]
     start = torch.tensor([r.position for r in requests])  # [n]
     temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
     positions = start.unsqueeze(1) + torch.arange(k + 1)  # [n, k+1]: anchor at `position`
-    h = net(net.embed_block(anchors, k, boundary), positions, contexts)  # [n, k+1, d]
+    h = net(net.embed_block(anchors, k, boundary, copies), positions, contexts)  # [n, k+1, d]
     base = net.logits(h[:, 1:])  # [n, k, V_d]: MASK slot i predicts the token at position+i
     uniforms = draw_uniforms(generators, temperature, k)  # [n, k]
     tokens, q_ids, q_probs = sample_block(
@@ -77,11 +80,14 @@ def check_requests(requests: list[DraftRequest], k: int, cfg: DrafterConfig) -> 
 class Drafter:
     """LongSpark drafter: batched ``prefill`` / ``propose`` / ``free`` over per-sequence views."""
 
+    copies_context = True  # keeps a token history for context copy (if the config asks)
+
     def __init__(self, net: DrafterNetwork, seed: int = 0) -> None:
         self.net = net.eval().requires_grad_(False)
         self.cfg = net.cfg
         self.scale = self.cfg.target.head_dim**-0.5
         self.states: dict[int, SequenceState] = {}
+        self.num_copied = 0  # drafts that took a context copy
         self._seeds = torch.Generator().manual_seed(seed)  # seeds unseeded sequences
 
     # -- construction ------------------------------------------------------------------
@@ -115,12 +121,15 @@ class Drafter:
         target_dir: str | Path,
         carry: bool | None = None,
         seed: int = 0,
+        context_copy: bool | None = None,
     ) -> Drafter:
-        """Load a saved drafter; ``carry`` overrides the checkpoint's carryover flag."""
+        """Load a saved drafter; ``carry`` / ``context_copy`` override the checkpoint's flags."""
         cfg, weights = load_drafter_weights(drafter_dir)
         target = ModelConfig.from_pretrained(target_dir)
         if carry is not None:
             cfg = dataclasses.replace(cfg, carry=carry)
+        if context_copy is not None:
+            cfg = dataclasses.replace(cfg, context_copy=context_copy)
         net = DrafterNetwork(cfg, target)  # checks the target fingerprint
         try:
             net.load_state_dict(weights)
@@ -170,7 +179,21 @@ class Drafter:
             else None
         )
         gens = [s.generator for s in states]
-        return draft_block(self.net, requests, gens, contexts, k, boundary)
+        copies = (
+            [
+                find_copy(s.recent_tokens(), r.anchor, k)
+                for s, r in zip(states, requests, strict=True)
+            ]
+            if self.copies_context and (self.cfg.context_copy or self.cfg.copy_input)
+            else [([], 0)] * len(states)
+        )
+        inputs = copy_inputs(copies, k) if self.cfg.copy_input else None
+        proposal = draft_block(self.net, requests, gens, contexts, k, boundary, inputs)
+        if not (self.copies_context and self.cfg.context_copy):
+            return proposal
+        proposal, copied = apply_copies(proposal, copies)
+        self.num_copied += copied
+        return proposal
 
     @torch.no_grad()
     def apply_updates(self, updates: list[RoundUpdate]) -> None:

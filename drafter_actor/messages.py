@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+HISTORY_TOKENS = 2048  # committed token ids the drafter keeps (context copy), at most
+
 
 @dataclass
 class PrefillViews:
@@ -28,6 +30,7 @@ class PrefillViews:
     summary_lam: torch.Tensor  # [L, H, R] fp32: their log-normalisers
     boundary: torch.Tensor  # [L, d]: tapped hidden states at position length-1
     seed: int | None = None  # seeds the drafter's own sampler for this sequence
+    tokens: torch.Tensor | None = None  # [<= HISTORY_TOKENS] int64: the prompt's last ids
 
 
 @dataclass
@@ -44,6 +47,7 @@ class RoundUpdate:
     committed_v: torch.Tensor  # [L, m+1, H_kv, hd]
     boundary: torch.Tensor  # [L, d]: tapped hidden states at t+m
     rejected: torch.Tensor  # [k-m, L, d]: tapped hidden states at t+m+1..t+k (may be empty)
+    tokens: torch.Tensor | None = None  # [m+1] int64: the committed ids x_t, d_1..d_m
 
 
 @dataclass

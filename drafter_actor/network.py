@@ -36,6 +36,7 @@ from target_actor.model import rms_norm
 from target_actor.rope import RotaryTable, apply_rope
 
 from .config import DrafterConfig
+from .context_copy import MAX_NGRAM
 from .markov import MarkovHead
 
 
@@ -150,6 +151,11 @@ class DrafterNetwork(nn.Module):
         # the boundary state fed straight into the block's rows (EAGLE-style), besides its
         # K/V row: zero at init, so a drafter trained without it starts unchanged
         self.boundary_proj = nn.Linear(d, d, bias=False) if cfg.boundary_input else None
+        # the context-copy candidate of each MASK slot (its embedding, projected) plus a
+        # vector per match length: zero at init, so a drafter trained without it starts
+        # unchanged
+        self.copy_proj = nn.Linear(d, d, bias=False) if cfg.copy_input else None
+        self.copy_bias = nn.Parameter(torch.zeros(MAX_NGRAM + 1, d)) if cfg.copy_input else None
         self.summary_queries = nn.Parameter(torch.zeros(L, H, R, hd))  # G
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(L))
         self.norm = nn.Parameter(torch.ones(d))
@@ -170,7 +176,7 @@ class DrafterNetwork(nn.Module):
             for name, p in self.named_parameters():
                 if "norm" in name:
                     p.fill_(1.0)
-                elif name.startswith("boundary_proj"):
+                elif name.startswith(("boundary_proj", "copy_")):
                     p.zero_()
                 elif name == "summary_queries":  # scores of O(1) against the target's keys
                     p.copy_(torch.randn(p.shape, generator=gen))
@@ -213,14 +219,27 @@ class DrafterNetwork(nn.Module):
         return [layer.kv(feats, cos, sin) for layer in self.layers]
 
     def embed_block(
-        self, anchors: torch.Tensor, k: int, boundary: torch.Tensor | None = None
+        self,
+        anchors: torch.Tensor,
+        k: int,
+        boundary: torch.Tensor | None = None,
+        copies: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The block ``[anchor, MASK x k]`` ``[N, k+1, d]`` for anchors ``[N]`` (target ids).
 
         ``boundary`` ``[N, d]``: the fused boundary state (``fuse`` of the taps at the
         position before the anchor); with ``boundary_input`` it is added to every row.
+        ``copies``: context-copy candidates ``[N, k]`` (target ids, -1 none) and their
+        match lengths ``[N]``; with ``copy_input`` they are added to the MASK rows.
         """
         mask = self.mask_embedding.expand(anchors.shape[0], k, -1)
+        if self.copy_proj is not None:
+            if copies is None:
+                raise ValueError("this drafter reads context-copy candidates in its block input")
+            ids, lengths = copies
+            cand = self.copy_proj(F.embedding(ids.clamp(min=0), self.embed))  # [N, k, d]
+            cand = cand + self.copy_bias[lengths].unsqueeze(1)
+            mask = mask + cand * (ids >= 0).unsqueeze(-1).to(cand.dtype)
         x = torch.cat([F.embedding(anchors, self.embed).unsqueeze(1), mask], 1)
         if self.boundary_proj is not None:
             if boundary is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import DrafterConfig
-from .messages import PrefillViews, RoundUpdate
+from .messages import HISTORY_TOKENS, PrefillViews, RoundUpdate
 from .summary import update_summary
 
 
@@ -39,6 +39,9 @@ class SequenceState:
     carry: torch.Tensor  # [k_max, L, d]: rejected states at length..length+carry_len-1
     carry_len: int
     generator: torch.Generator  # the sequence's own sampler
+    # the last ``history_len`` committed ids, right-aligned in a fixed buffer (context copy)
+    history: torch.Tensor  # [HISTORY_TOKENS] int64
+    history_len: int = 0
 
     @classmethod
     def from_prefill(
@@ -74,9 +77,26 @@ class SequenceState:
             carry=torch.zeros(cfg.block_size, L, t.hidden_size, dtype=dtype),
             carry_len=0,
             generator=generator,
+            history=torch.zeros(HISTORY_TOKENS, dtype=torch.long),
         )
         state._write_window(views.window_k, views.window_v)
+        if views.tokens is not None:
+            state._append_history(views.tokens)
         return state
+
+    def _append_history(self, tokens: torch.Tensor | None) -> None:
+        """Append committed ids; without them the history restarts empty (no copy)."""
+        if tokens is None:
+            self.history_len = 0
+            return
+        tokens = tokens.to(torch.long)[-HISTORY_TOKENS:]
+        n = tokens.shape[0]
+        self.history = torch.cat([self.history[n:], tokens])
+        self.history_len = min(HISTORY_TOKENS, self.history_len + n)
+
+    def recent_tokens(self) -> torch.Tensor:
+        """The committed ids the history holds (the last ``history_len``), oldest first."""
+        return self.history[HISTORY_TOKENS - self.history_len :]
 
     def _write_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append rows ``[L, n, H_kv, hd]`` at positions ``length..length+n-1`` to the ring."""
@@ -104,6 +124,7 @@ class SequenceState:
             self.summary_m, self.summary_lam, g, update.committed_k, update.committed_v, scale
         )
         self._write_window(update.committed_k, update.committed_v)
+        self._append_history(update.tokens)
         self.boundary.copy_(update.boundary)
         self.carry_len = update.rejected.shape[0] if carry else 0
         self.carry[: self.carry_len] = update.rejected[: self.carry_len]
@@ -130,13 +151,15 @@ class SequenceState:
             self.summary_lam,
             self.boundary,
             self.carry,
+            self.history,
         )
 
     @staticmethod
     def expected_bytes(cfg: DrafterConfig, dtype_bytes: int = 4) -> int:
-        """The closed form of ``state_bytes()``: window + summary (fp32) + boundary + carry."""
+        """The closed form of ``state_bytes()``: window + summary (fp32) + boundary + carry
+        + the token history (int64)."""
         t, L = cfg.target, cfg.num_layers
         window = 2 * L * cfg.window * t.num_kv_heads * t.head_dim * dtype_bytes
         summary = L * t.num_heads * cfg.summary_slots * (t.head_dim + 1) * 4
         hidden = (1 + cfg.block_size) * L * t.hidden_size * dtype_bytes
-        return window + summary + hidden
+        return window + summary + hidden + HISTORY_TOKENS * 8

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .messages import PrefillViews, RoundUpdate
+from .messages import HISTORY_TOKENS, PrefillViews, RoundUpdate
 
 DEFAULT_CHUNK = 2048
 
@@ -93,6 +93,13 @@ def update_summary(
     return m, lam
 
 
+def history_tensor(tokens: list[int] | torch.Tensor | None) -> torch.Tensor | None:
+    """The last ``HISTORY_TOKENS`` of a prompt's ids as int64 (``None`` stays ``None``)."""
+    if tokens is None:
+        return None
+    return torch.as_tensor(tokens, dtype=torch.long)[-HISTORY_TOKENS:].clone()
+
+
 def build_prefill_views(
     seq_id: int,
     tap_k: torch.Tensor,
@@ -103,12 +110,14 @@ def build_prefill_views(
     scale: float | None = None,
     chunk: int = DEFAULT_CHUNK,
     seed: int | None = None,
+    tokens: list[int] | torch.Tensor | None = None,
 ) -> PrefillViews:
     """A new sequence's fixed-size views from its prompt's taps (positions ``0..t-1``).
 
     ``tap_k``, ``tap_v`` ``[L, t, H_kv, hd]`` (post-RoPE, as cached) and ``tap_hidden``
     ``[t, L, d]`` as the target's forward returns them; ``g`` is the drafter's
-    ``summary_queries()``; ``scale`` defaults to ``hd ** -0.5``.
+    ``summary_queries()``; ``scale`` defaults to ``hd ** -0.5``; ``tokens``: the prompt's
+    ids (its last ``HISTORY_TOKENS`` go to the drafter's context copy).
     """
     t = tap_k.shape[1]
     if t < 1 or tap_hidden.shape[0] != t or tap_v.shape != tap_k.shape:
@@ -129,6 +138,7 @@ def build_prefill_views(
         summary_lam=lam,
         boundary=tap_hidden[t - 1].clone(),
         seed=seed,
+        tokens=history_tensor(tokens),
     )
 
 
@@ -139,12 +149,14 @@ def build_round_update(
     tap_k: torch.Tensor,
     tap_v: torch.Tensor,
     tap_hidden: torch.Tensor,
+    tokens: list[int] | torch.Tensor | None = None,
 ) -> RoundUpdate:
     """One sequence's ``RoundUpdate`` from the taps of its verify block.
 
     The block was ``[x_t, d_1..d_k]`` at positions ``start..start+k``: ``tap_k``,
     ``tap_v`` ``[L, k+1, H_kv, hd]``, ``tap_hidden`` ``[k+1, L, d]``; ``accepted`` = m
-    drafts were accepted, so rows ``0..m`` are committed and ``m+1..k`` rejected.
+    drafts were accepted, so rows ``0..m`` are committed and ``m+1..k`` rejected;
+    ``tokens``: the block's ids (the committed ``m + 1`` of them go to the drafter).
     """
     m = accepted
     if not 0 <= m < tap_hidden.shape[0]:
@@ -156,4 +168,5 @@ def build_round_update(
         committed_v=tap_v[:, : m + 1].clone(),
         boundary=tap_hidden[m].clone(),
         rejected=tap_hidden[m + 1 :].clone(),
+        tokens=None if tokens is None else torch.as_tensor(tokens, dtype=torch.long)[: m + 1],
     )

@@ -32,6 +32,7 @@ class DrafterSpec:
     k: int | None = None  # block size; default: the checkpoint's (random: 15)
     seed: int = 0
     carry: bool | None = None  # override the checkpoint's carryover flag (ablations)
+    context_copy: bool | None = None  # override the checkpoint's context-copy flag
     baseline: bool = False  # the full-prefix (DFlash-style) drafter instead of LongSpark
     num_threads: int | None = None
     overrides: dict[str, Any] | None = None  # DrafterConfig fields for a random drafter
@@ -48,12 +49,18 @@ class DrafterWorker:
         cls = FullPrefixDrafter if spec.baseline else Drafter
         if spec.drafter_path and spec.drafter_path != "random":
             self.drafter = cls.from_pretrained(
-                spec.drafter_path, spec.target_path, carry=spec.carry, seed=spec.seed
+                spec.drafter_path,
+                spec.target_path,
+                carry=spec.carry,
+                seed=spec.seed,
+                context_copy=spec.context_copy,
             )
         else:
             overrides: dict[str, Any] = {"block_size": spec.k or 15, **(spec.overrides or {})}
             if spec.carry is not None:
                 overrides["carry"] = spec.carry
+            if spec.context_copy is not None:
+                overrides["context_copy"] = spec.context_copy
             target = ModelConfig.from_pretrained(spec.target_path)
             config = DrafterConfig.for_target(target, **overrides)
             self.drafter = cls.random(

@@ -31,6 +31,7 @@ class EngineOptions:
     k: int | None = None
     adaptive: bool = True  # per-round k from measured acceptance and cost (False: always k)
     carry: bool = True
+    context_copy: bool = True  # False: never copy from context, even if the drafter would
     backend: str = "local"  # "local" | "ray"
     max_num_seqs: int = 32
     kv_cache_tokens: int = 65536
@@ -78,7 +79,12 @@ def build_engine(opts: EngineOptions) -> tuple[Engine, Callable[[], None]]:
     closers: list[Callable[[], None]] = []
     drafter = None
     if drafter_path is not None:
-        kw = dict(k=opts.k, carry=None if opts.carry else False, seed=opts.seed)
+        kw = dict(
+            k=opts.k,
+            carry=None if opts.carry else False,
+            context_copy=None if opts.context_copy else False,
+            seed=opts.seed,
+        )
         drafter = (RayDrafter if use_ray else LocalDrafter)(str(path), drafter_path, **kw)
         closers.append(drafter.shutdown)
     window = drafter.window if drafter is not None else 256

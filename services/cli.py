@@ -158,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--drafter", default=None, help="drafter folder (default: shipped)")
     acc.add_argument("--k", type=_positive_int, default=None)
     acc.add_argument("--no-carry", action="store_true")
+    acc.add_argument("--no-copy", action="store_true", help="the network's drafts only")
     acc.add_argument("--per-category", type=_positive_int, default=8)
     acc.add_argument("--max-tokens", type=_positive_int, default=128)
     acc.add_argument("--temperatures", default="0,1", help="comma-separated, e.g. 0,1")
@@ -327,6 +328,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         args.max_tokens,
         temps,
         target=args.target,
+        context_copy=not args.no_copy,
     )
     print(json.dumps(report, indent=None if args.json else 2))
 

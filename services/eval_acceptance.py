@@ -25,6 +25,7 @@ def eval_acceptance(
     batch_size: int = 8,
     seed: int = 0,
     target: str | None = None,
+    context_copy: bool = True,
 ) -> dict[str, Any]:
     engine, close = build_engine(
         EngineOptions(
@@ -34,6 +35,7 @@ def eval_acceptance(
             k=k,
             adaptive=False,  # tau at a fixed k: every round drafts
             carry=carry,
+            context_copy=context_copy,
             max_num_seqs=batch_size,
         )
     )
@@ -44,6 +46,7 @@ def eval_acceptance(
             "drafter": engine.config.drafter_name,
             "k": engine.config.k,
             "carry": carry,
+            "context_copy": context_copy,
             "per_category": per_category,
             "max_tokens": max_tokens,
         }

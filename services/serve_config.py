@@ -56,6 +56,9 @@ class ServeArgs(BaseModel):
         True, description="pick each round's k from measured acceptance and cost (0 = plain)"
     )
     carry: bool = Field(True, description="Carryover of rejected positions (ablation switch)")
+    context_copy: bool = Field(
+        True, description="let the drafter copy recent n-gram continuations (ablation switch)"
+    )
     max_num_seqs: int = Field(32, ge=1, description="running sequences per replica")
     kv_cache_tokens: int = Field(65536, ge=16, description="KV-cache token budget per replica")
     seed: int = Field(0, description="seed of the drafter's sampler for unseeded requests")

@@ -59,6 +59,7 @@ def build_replica_engine(
                 scheduling_strategy=strategy,
                 k=args.k,
                 carry=None if args.carry else False,
+                context_copy=None if args.context_copy else False,
                 seed=args.seed,
             )
 

@@ -13,7 +13,12 @@ from __future__ import annotations
 import torch
 
 from drafter_actor.messages import PrefillViews, Proposal, RoundUpdate
-from drafter_actor.summary import build_round_update, empty_summary, update_summary
+from drafter_actor.summary import (
+    build_round_update,
+    empty_summary,
+    history_tensor,
+    update_summary,
+)
 
 from .batch import ForwardBatch, PrefillBatch, SeqSampling, StepResult, VerifyBatch
 from .rejection import rejection_sample
@@ -42,7 +47,7 @@ class _ViewBuilder:
         self.boundary = hidden[-1]
         self.length += k.shape[1]
 
-    def build(self, seq_id: int, seed: int | None) -> PrefillViews:
+    def build(self, seq_id: int, seed: int | None, prompt: list[int]) -> PrefillViews:
         return PrefillViews(
             seq_id=seq_id,
             length=self.length,
@@ -52,6 +57,7 @@ class _ViewBuilder:
             summary_lam=self.lam,
             boundary=self.boundary.clone(),
             seed=seed,
+            tokens=history_tensor(prompt),
         )
 
 
@@ -127,7 +133,7 @@ class Verifier:
         result = self._sample(batch.seq_ids, logits, None, [0] * len(batch.seq_ids))
         if not taps:
             return result, None
-        return result, [views[s].build(s, self.sampling[s].seed) for s in batch.seq_ids]
+        return result, [views[s].build(s, self.sampling[s].seed, prompts[s]) for s in batch.seq_ids]
 
     # -- verify -------------------------------------------------------------------
     @torch.inference_mode()
@@ -157,12 +163,14 @@ class Verifier:
             logits[i, : len(s)] = out.logits[off : off + len(s)]
             off += len(s)
         result = self._sample(batch.seq_ids, logits, proposal, batch.num_draft)
-        updates = self._round_updates(batch, fwd, out, result) if batch.want_updates else None
+        updates = (
+            self._round_updates(batch, fwd, out, result, tokens) if batch.want_updates else None
+        )
         return result, updates
 
     @staticmethod
     def _round_updates(
-        batch: VerifyBatch, fwd: ForwardBatch, out, result: StepResult
+        batch: VerifyBatch, fwd: ForwardBatch, out, result: StepResult, tokens: list[list[int]]
     ) -> list[RoundUpdate]:
         updates, off = [], 0
         for i, seq_id in enumerate(batch.seq_ids):
@@ -175,6 +183,7 @@ class Verifier:
                     out.tap_k[:, rows],
                     out.tap_v[:, rows],
                     out.tap_hidden[rows],
+                    tokens[i],
                 )
             )
             off += fwd.num_new[i]

@@ -54,6 +54,9 @@ class TrainConfig:
     boundary_input: bool = _f(
         False, "also feed the boundary state into the block rows (added to init_from drafters)"
     )
+    copy_input: bool = _f(
+        False, "feed context-copy candidates into the MASK rows (added to init_from drafters)"
+    )
 
     # -- the objective ----------------------------------------------------------------
     k: int = _f(7, "draft tokens per block trained (and the drafter's block_size)")

@@ -145,6 +145,7 @@ class Trainer:
                 block_size=cfg.k,
                 carry=cfg.carryover,
                 boundary_input=saved[0].boundary_input or cfg.boundary_input,
+                copy_input=saved[0].copy_input or cfg.copy_input,
             )
             d2t = saved[1]["d2t"]
             coverage = _coverage(self.train_seqs, d2t)
@@ -162,6 +163,7 @@ class Trainer:
                 draft_vocab_size=len(d2t),
                 carry=cfg.carryover,
                 boundary_input=cfg.boundary_input,
+                copy_input=cfg.copy_input,
                 **extra,
             )
         try:
@@ -169,10 +171,11 @@ class Trainer:
         except DrafterConfigError as e:
             raise TrainError(str(e)) from None
         if saved is not None:
-            if dcfg.boundary_input and not saved[0].boundary_input:
-                net.init_random(cfg.seed, cfg.init_std)  # boundary_proj starts at zero
+            added = _added_inputs(saved[0], dcfg)
+            if added:
+                net.init_random(cfg.seed, cfg.init_std)  # the added inputs start at zero
                 keys = net.load_state_dict(saved[1], strict=False)
-                if keys.unexpected_keys or keys.missing_keys != ["boundary_proj.weight"]:
+                if keys.unexpected_keys or sorted(keys.missing_keys) != added:
                     raise TrainError(f"cannot extend the drafter: {keys}")
             else:
                 net.load_state_dict(saved[1])
@@ -354,6 +357,16 @@ def _schedule(cfg: TrainConfig):
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def _added_inputs(saved: DrafterConfig, new: DrafterConfig) -> list[str]:
+    """The (zero-initialised) weights of block inputs ``new`` reads and ``saved`` did not."""
+    added = []
+    if new.boundary_input and not saved.boundary_input:
+        added.append("boundary_proj.weight")
+    if new.copy_input and not saved.copy_input:
+        added += ["copy_bias", "copy_proj.weight"]
+    return sorted(added)
 
 
 def _coverage(seqs: list[Sequence], d2t: torch.Tensor) -> float:

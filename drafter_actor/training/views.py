@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..context_copy import copies_in_text
 from ..network import DrafterNetwork, LayerContext
 
 NEG = -1e30  # "no row": exp(NEG - x) == 0 for any finite score x, and never NaN
@@ -238,7 +239,9 @@ def block_logits(net: DrafterNetwork, views: AnchorViews, batch: Batch, k: int) 
     """Base logits ``[N, k, V_d]`` of the block ``[x_t, MASK x k]`` at every anchor."""
     anchor_tokens = batch.tokens[views.seq, views.pos]  # [N]
     positions = views.pos.unsqueeze(1) + torch.arange(k + 1)  # [N, k + 1]
-    h = net(net.embed_block(anchor_tokens, k, views.boundary), positions, views.contexts)
+    copies = copies_in_text(batch.tokens, views.seq, views.pos, k) if net.cfg.copy_input else None
+    x = net.embed_block(anchor_tokens, k, views.boundary, copies)
+    h = net(x, positions, views.contexts)
     return net.logits(h[:, 1:])
 
 

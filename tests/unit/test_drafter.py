@@ -10,7 +10,7 @@ import torch
 from drafter_actor.baseline import FullPrefixDrafter, FullPrefixUpdate, FullPrefixViews
 from drafter_actor.config import DrafterConfig, DrafterConfigError
 from drafter_actor.drafter import Drafter
-from drafter_actor.messages import DraftRequest, PrefillViews, RoundUpdate
+from drafter_actor.messages import HISTORY_TOKENS, DraftRequest, PrefillViews, RoundUpdate
 from drafter_actor.state import DrafterStateError, SequenceState
 from drafter_actor.summary import build_prefill_views, build_round_update
 from drafter_actor.worker import DrafterSpec, DrafterWorker, LocalDrafter
@@ -285,11 +285,16 @@ def test_state_bytes_are_the_same_at_1k_and_32k(target_dir):
         assert drafter.state_bytes(seq_id) == sizes[-1]
     expected = SequenceState.expected_bytes(cfg)
     t, L = cfg.target, cfg.num_layers
-    assert expected == 4 * (
-        2 * L * 256 * t.num_kv_heads * t.head_dim
-        + L * t.num_heads * 16 * (t.head_dim + 1)
-        + 16 * L * t.hidden_size
-    )
+    assert (
+        expected
+        == 4
+        * (
+            2 * L * 256 * t.num_kv_heads * t.head_dim
+            + L * t.num_heads * 16 * (t.head_dim + 1)
+            + 16 * L * t.hidden_size
+        )
+        + 8 * HISTORY_TOKENS
+    )  # the token history of context copy, int64
     assert sizes == [expected, expected]
 
 
@@ -375,3 +380,30 @@ def test_local_drafter_takes_updates_from_the_verify_round(target_dir, runner, t
     finally:
         torch.set_num_threads(threads)
         runner.free([0])
+
+
+def test_history_follows_prefill_and_rounds(target_dir):
+    drafter = Drafter.random(target_dir, seed=0)
+    views = random_views(drafter.cfg, 0, 10)
+    views.tokens = torch.arange(10)
+    drafter.prefill([views])
+    state = drafter.state(0)
+    assert state.recent_tokens().tolist() == list(range(10))
+    update = random_update(drafter.cfg, 0, 10, 2)  # 3 committed rows: positions 10..12
+    update.tokens = torch.tensor([50, 51, 52])
+    drafter.propose([DraftRequest(0, 7, 13, 0.0, update)], 4)
+    assert state.recent_tokens().tolist() == [*range(10), 50, 51, 52]
+    assert state.history.shape == (HISTORY_TOKENS,)
+    # an update without ids restarts the history (it can no longer be trusted)
+    update = random_update(drafter.cfg, 0, 13, 0)
+    drafter.propose([DraftRequest(0, 7, 14, 0.0, update)], 4)
+    assert state.recent_tokens().tolist() == []
+
+
+def test_history_keeps_the_last_tokens(target_dir):
+    drafter = Drafter.random(target_dir, seed=0)
+    views = random_views(drafter.cfg, 0, 300)
+    views.tokens = torch.arange(HISTORY_TOKENS + 300)
+    drafter.prefill([views])
+    recent = drafter.state(0).recent_tokens()
+    assert recent.tolist() == list(range(300, HISTORY_TOKENS + 300))

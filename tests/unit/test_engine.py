@@ -28,10 +28,17 @@ def make_engine(path, drafter=None, k=4, max_num_seqs=8, kv_tokens=8192) -> Engi
     return Engine(target, ByteTokenizer(), drafter, EngineConfig(k=k, max_num_seqs=max_num_seqs))
 
 
-def random_drafter(path, k=4, carry=True, seed=0):
+def random_drafter(path, k=4, carry=True, seed=0, **overrides):
     from drafter_actor.worker import LocalDrafter
 
-    return LocalDrafter(target_path=str(path), drafter_path="random", k=k, carry=carry, seed=seed)
+    return LocalDrafter(
+        target_path=str(path),
+        drafter_path="random",
+        k=k,
+        carry=carry,
+        seed=seed,
+        overrides=overrides or None,
+    )
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -75,6 +82,20 @@ def test_spec_greedy_equals_plain_with_random_drafter(tiny_checkpoints, carry):
     spec = spec_engine.generate(ps, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec_engine.stats.spec.num_drafts > 0
+
+
+def test_spec_greedy_with_context_copy_equals_plain(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    ps = [p * 3 for p in prompts(6, 4)]  # repeated prompts: copies to find
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = make_engine(path).generate(ps, params)
+    drafter = random_drafter(path, k=4, context_copy=True, copy_input=True)
+    spec_engine = make_engine(path, drafter)
+    spec = spec_engine.generate(ps, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert drafter.worker.drafter.num_copied > 0
+    stats = spec_engine.stats.spec
+    assert stats.num_accepted_tokens > 0
 
 
 def test_sequences_join_and_leave_mid_run(tiny_checkpoints):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 import torch
 
 from services.engine import Engine, EngineConfig
@@ -32,13 +33,13 @@ class Letters:
         return "".join(chr(97 + i) for i in ids)
 
 
-def exact_joint(target: LocalTarget) -> torch.Tensor:
+def exact_joint(target: LocalTarget, prompt: list[int] = PROMPT) -> torch.Tensor:
     """p(t1, t2, t3 | prompt) for all 512 outcomes, from the target's own logits."""
     joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
     seq = itertools.count(10_000)
     for t1, t2 in itertools.product(range(VOCAB), repeat=2):
         sid = next(seq)
-        out = target.forward(ForwardBatch.single(sid, PROMPT + [t1, t2], 0, num_logits=3)).logits
+        out = target.forward(ForwardBatch.single(sid, prompt + [t1, t2], 0, num_logits=3)).logits
         target.free([sid])
         p = torch.softmax(out.double(), dim=-1)  # rows: after prompt, after t1, after t2
         joint[t1, t2] = p[0, t1] * p[1, t2] * p[2]
@@ -50,7 +51,11 @@ def chi2_threshold(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_joint_of_first_three_tokens_matches_target(tmp_path):
+@pytest.mark.parametrize(
+    "prompt,context_copy",
+    [(PROMPT, False), ([1, 5, 1, 5, 2, 1, 5], True)],  # a repetitive prompt: copies happen
+)
+def test_joint_of_first_three_tokens_matches_target(tmp_path, prompt, context_copy):
     from drafter_actor.worker import LocalDrafter
 
     path = make_tiny_checkpoint(
@@ -69,7 +74,7 @@ def test_joint_of_first_three_tokens_matches_target(tmp_path):
         k=2,
         carry=True,
         seed=1,
-        overrides={"proposal_support": 4},
+        overrides={"proposal_support": 4, "context_copy": context_copy},
     )
     engine = Engine(
         target, Letters(), drafter, EngineConfig(k=2, max_num_seqs=2500, max_prefill_seqs=2500)
@@ -77,7 +82,7 @@ def test_joint_of_first_three_tokens_matches_target(tmp_path):
     torch.manual_seed(0)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
     outs = engine.generate(
-        [PROMPT] * N_SAMPLES, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+        [prompt] * N_SAMPLES, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     )
     for o in outs:
         counts[tuple(o.token_ids)] += 1
@@ -85,7 +90,9 @@ def test_joint_of_first_three_tokens_matches_target(tmp_path):
     accepted = engine.stats.spec.num_accepted_tokens / engine.stats.spec.num_draft_tokens
     assert 0.05 < accepted < 0.95  # rejections and acceptances both happen
 
-    expected = exact_joint(target) * N_SAMPLES
+    if context_copy:
+        assert drafter.worker.drafter.num_copied > 0
+    expected = exact_joint(target, prompt) * N_SAMPLES
     keep = expected >= 5  # pool the rare outcomes into one cell
     obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])
     exp = torch.cat([expected[keep], expected[~keep].sum().view(1)])

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafter_actor.config import DrafterConfig
+from drafter_actor.context_copy import MAX_NGRAM, copy_inputs, find_copy
 from drafter_actor.drafter import Drafter
 from drafter_actor.messages import DraftRequest
 from drafter_actor.summary import build_prefill_views, build_round_update, update_summary
@@ -260,8 +261,13 @@ def inference_base_logits(drafter: Drafter, anchor: int, position: int, k: int) 
     state = drafter.state(0)
     ctx = drafter._contexts([state])
     boundary = net.fuse(state.boundary.unsqueeze(0)) if net.cfg.boundary_input else None
+    copies = (
+        copy_inputs([find_copy(state.recent_tokens(), anchor, k)], k)
+        if net.cfg.copy_input
+        else None
+    )
     positions = (position + torch.arange(k + 1)).unsqueeze(0)
-    h = net(net.embed_block(torch.tensor([anchor]), k, boundary), positions, ctx)
+    h = net(net.embed_block(torch.tensor([anchor]), k, boundary, copies), positions, ctx)
     return net.logits(h[:, 1:])[0]
 
 
@@ -275,14 +281,27 @@ def add_boundary_input(drafter: Drafter, seed: int = 0) -> None:
         drafter.net.boundary_proj.weight.copy_(w)
 
 
-@pytest.mark.parametrize("boundary_input", [False, True])
+def add_copy_input(drafter: Drafter, seed: int = 0) -> None:
+    """Give a trained drafter random (non-zero) context-copy input weights."""
+    d = drafter.cfg.target.hidden_size
+    drafter.cfg = drafter.net.cfg = dataclasses.replace(drafter.cfg, copy_input=True)
+    gen = torch.Generator().manual_seed(seed)
+    drafter.net.copy_proj = torch.nn.Linear(d, d, bias=False)
+    drafter.net.copy_bias = torch.nn.Parameter(torch.randn(MAX_NGRAM + 1, d, generator=gen))
+    with torch.no_grad():
+        drafter.net.copy_proj.weight.copy_(torch.randn(d, d, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("extra_input", [None, "boundary", "copy"])
 def test_training_logits_equal_inference_logits_at_every_anchor(
-    trained, target_dir, runner, boundary_input
+    trained, target_dir, runner, extra_input
 ):
     """Prefill + verify rounds at inference vs. the parallel views of training (window 16)."""
     drafter = Drafter.from_pretrained(trained, target_dir)
-    if boundary_input:
+    if extra_input == "boundary":
         add_boundary_input(drafter)
+    if extra_input == "copy":
+        add_copy_input(drafter)
     net, k, W = drafter.net, drafter.cfg.block_size, drafter.cfg.window
     rec = greedy_records(runner, 1, 60, seed=9)[0]
     tokens = rec.prompt_ids + rec.response_ids
@@ -292,8 +311,9 @@ def test_training_logits_equal_inference_logits_at_every_anchor(
     # inference: prefill the prompt, then rounds accepting the recorded tokens, 2 or k at a time
     out = runner.forward(ForwardBatch.single(0, tokens[:P], 0, 1, taps=True))
     g = drafter.summary_queries()
-    drafter.prefill([build_prefill_views(0, out.tap_k, out.tap_v, out.tap_hidden, g, W)])
-    t, checked = P, []
+    views = build_prefill_views(0, out.tap_k, out.tap_v, out.tap_hidden, g, W, tokens=tokens[:P])
+    drafter.prefill([views])
+    t, checked, matched = P, [], 0
     with torch.no_grad():
         for accept in [2, k, 0, 1, k, k, 3, k, 2, k]:
             train_logits = block_logits(
@@ -305,14 +325,16 @@ def test_training_logits_equal_inference_logits_at_every_anchor(
                 (train_logits - infer).abs().max(),
             )
             checked.append(t)
+            matched += find_copy(drafter.state(0).recent_tokens(), tokens[t], k)[1] > 0
             block = tokens[t : t + k + 1]
             out = runner.forward(ForwardBatch.single(0, block, t, k + 1, taps=True))
             drafter.apply_updates(
-                [build_round_update(0, t, accept, out.tap_k, out.tap_v, out.tap_hidden)]
+                [build_round_update(0, t, accept, out.tap_k, out.tap_v, out.tap_hidden, block)]
             )
             t += accept + 1
     runner.free([0])
     assert checked[-1] > P + W  # the window has wrapped around its ring
+    assert matched > 0  # some anchors had a context-copy candidate
 
 
 def test_carry_views_equal_inference_after_a_rejecting_round(target_dir, runner):
@@ -446,18 +468,21 @@ def test_resume_repeats_the_next_step_bit_exactly(target_dir, runner, data_dir, 
         train_drafter(small_config(data_dir, b, resume=True, **{**kw, "steps": 6, "lr": 1e-3}))
 
 
-def test_boundary_input_extends_a_trained_drafter_without_changing_it(
-    target_dir, data_dir, trained, tmp_path
+@pytest.mark.parametrize("extra_input", ["boundary_input", "copy_input"])
+def test_an_added_input_extends_a_trained_drafter_without_changing_it(
+    target_dir, data_dir, trained, tmp_path, extra_input
 ):
     kw = dict(target=str(target_dir), init_from=str(trained), steps=2)
     kw["cache_dir"] = str(trained / "tap_cache")
     plain, extended = tmp_path / "plain", tmp_path / "extended"
     train_drafter(small_config(data_dir, plain, **kw))
-    train_drafter(small_config(data_dir, extended, boundary_input=True, **kw))
-    # boundary_proj starts at zero: the first step is the old drafter's, to the bit
+    train_drafter(small_config(data_dir, extended, **{extra_input: True}, **kw))
+    # the added weights start at zero: the first step is the old drafter's, to the bit
     assert read_log(extended)[0]["loss"] == read_log(plain)[0]["loss"]
     drafter = Drafter.from_pretrained(extended, target_dir)
-    assert drafter.cfg.boundary_input and drafter.net.boundary_proj.weight.abs().sum() > 0
+    assert getattr(drafter.cfg, extra_input)
+    added = drafter.net.boundary_proj if extra_input == "boundary_input" else drafter.net.copy_proj
+    assert added.weight.abs().sum() > 0
     proposal = drafter.propose([], 4)
     assert proposal.tokens.shape == (0, 4)
 

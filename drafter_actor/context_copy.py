@@ -1,0 +1,103 @@
+"""Context copy: draft the continuation of the longest recent n-gram match, where it is sure.
+
+Greedy text from a small target repeats itself (lists, code, loops) and copies its prompt
+(summaries, translations, quoted code). For the committed tokens plus the anchor, the
+drafter looks for the most recent earlier occurrence of their longest suffix (up to
+``MAX_NGRAM`` tokens) in the sequence's token history and proposes what followed it.
+
+A copy replaces the network's first slots when the match is long (``>= MIN_NGRAM``
+tokens), or when it is a single token and its first token equals the network's first
+draft (two independent guesses agree); the network's own drafts fill the slots after the
+copied ones. A copied slot's proposal ``q`` is one-hot on the copied token, so rejection
+sampling stays exact at any temperature.
+
+The history is a fixed-size buffer (``HISTORY_TOKENS`` ids), so the drafter's state
+stays independent of the context length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .messages import HISTORY_TOKENS, Proposal
+
+MAX_NGRAM = 8  # the longest suffix matched
+MIN_NGRAM = 2  # a match this long is copied without the network's agreement
+
+
+def find_copy(history: torch.Tensor, anchor: int, k: int) -> tuple[list[int], int]:
+    """The continuation (``k`` ids) of the longest recent match, and the match's length.
+
+    ``history`` ``[n]``: committed token ids, oldest first; ``anchor`` follows them. The
+    match is the longest suffix of ``history + [anchor]`` (up to ``MAX_NGRAM``) that also
+    ends earlier in it, the most recent one among the longest; ``([], 0)`` if none.
+    """
+    seq = torch.cat([history, torch.tensor([anchor], dtype=history.dtype)])
+    T = seq.shape[0]
+    ends = (seq[:-1] == anchor).nonzero().flatten()  # earlier positions holding the anchor
+    if ends.numel() == 0:
+        return [], 0
+    length = torch.ones_like(ends)
+    alive = torch.ones_like(ends, dtype=torch.bool)
+    for i in range(1, MAX_NGRAM):
+        ok = (ends - i >= 0) & alive
+        ok[ok.clone()] = seq[ends[ok] - i] == seq[T - 1 - i]
+        alive = ok
+        length += alive.long()
+        if not bool(alive.any()):
+            break
+    best = int(length.max())
+    end = int(ends[length == best].max())  # the most recent of the longest matches
+    # what followed the match, up to the anchor; a copy that reaches the anchor goes on
+    # copying itself (the text repeats with period T - 1 - end), as LZ77 copies overlap
+    follow = seq[end + 1 :].tolist()
+    return [follow[j % len(follow)] for j in range(k)], best
+
+
+def copy_inputs(copies: list[tuple[list[int], int]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The network's copy inputs: tokens ``[n, k]`` (-1: none) and match lengths ``[n]``."""
+    tokens = torch.full((len(copies), k), -1, dtype=torch.long)
+    lengths = torch.zeros(len(copies), dtype=torch.long)
+    for i, (copy, n) in enumerate(copies):
+        if copy:
+            tokens[i] = torch.tensor(copy[:k])
+            lengths[i] = n
+    return tokens, lengths
+
+
+def copies_in_text(
+    tokens: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy inputs at many anchors of recorded text (training): anchor ``tokens[seq, pos]``
+    after the history ``tokens[seq, :pos]`` (its last ``HISTORY_TOKENS``)."""
+    rows = tokens.tolist()
+    copies = [
+        find_copy(
+            torch.tensor(rows[b][max(0, t - HISTORY_TOKENS) : t], dtype=torch.long),
+            rows[b][t],
+            k,
+        )
+        for b, t in zip(seq.tolist(), pos.tolist(), strict=True)
+    ]
+    return copy_inputs(copies, k)
+
+
+def apply_copies(proposal: Proposal, copies: list[tuple[list[int], int]]) -> tuple[Proposal, int]:
+    """``proposal`` with each row's first slots replaced by its copy where the rule allows,
+    and how many rows took a copy."""
+    tokens, q_ids, q_probs = proposal.tokens, proposal.q_ids, proposal.q_probs
+    changed = 0
+    for i, (copy, n) in enumerate(copies):
+        if not copy or not (n >= MIN_NGRAM or copy[0] == int(tokens[i, 0])):
+            continue
+        if not changed:
+            tokens, q_ids, q_probs = tokens.clone(), q_ids.clone(), q_probs.clone()
+        changed += 1
+        m = min(len(copy), tokens.shape[1])
+        ids = torch.tensor(copy[:m], dtype=tokens.dtype)
+        tokens[i, :m] = ids
+        q_ids[i, :m] = 0
+        q_ids[i, :m, 0] = ids
+        q_probs[i, :m] = 0.0
+        q_probs[i, :m, 0] = 1.0
+    return (Proposal(tokens, q_ids, q_probs) if changed else proposal), changed

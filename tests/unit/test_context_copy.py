@@ -1,0 +1,70 @@
+"""Context copy: the n-gram match and the rule that merges it into a proposal.
+
+The token history the drafter keeps for it is tested in ``test_drafter``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafter_actor.context_copy import MAX_NGRAM, apply_copies, find_copy
+from drafter_actor.messages import Proposal
+
+
+def ids(*xs: int) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.long)
+
+
+def test_longest_then_most_recent_match():
+    # "7 8" -> 1 (old, 2-gram) and "9 7 8" -> 2 (3-gram): the longer one wins
+    assert find_copy(ids(9, 7, 8, 2, 3, 7, 8, 1, 9, 7), 8, 3) == ([2, 3, 7], 3)
+    # two equally long matches: the most recent continuation
+    assert find_copy(ids(5, 1, 5, 2, 6), 5, 2) == ([2, 6], 1)
+
+
+def test_no_match_and_short_continuations():
+    assert find_copy(ids(1, 2, 3), 4, 5) == ([], 0)
+    assert find_copy(ids(), 4, 5) == ([], 0)
+    # a copy that reaches the anchor repeats what it copied (the text is periodic)
+    assert find_copy(ids(3, 4), 3, 5) == ([4, 3, 4, 3, 4], 1)
+    assert find_copy(ids(0, 6, 6, 6), 6, 4) == ([6, 6, 6, 6], 3)
+    assert find_copy(ids(1, 2, 1, 2, 1, 2), 1, 3) == ([2, 1, 2], 5)
+
+
+def test_match_length_is_capped():
+    hist = torch.full((40,), 4, dtype=torch.long)
+    copy, n = find_copy(hist, 4, 3)
+    assert n == MAX_NGRAM and copy == [4, 4, 4]
+    assert find_copy(ids(9, 2, 3, 9), 2, 2) == ([3, 9], 2)  # a whole continuation
+
+
+def proposal(tokens: list[list[int]], support: int = 3) -> Proposal:
+    t = torch.tensor(tokens)
+    q_ids = torch.stack([t, t + 100, t + 200], -1)[..., :support]
+    q_probs = torch.full(q_ids.shape, 1.0 / support)
+    return Proposal(t, q_ids, q_probs)
+
+
+def test_rule_copies_long_matches_and_agreeing_single_tokens():
+    base = proposal([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9], [3, 3, 3, 3]])
+    copies = [([40, 41], 2), ([5, 50, 51, 52, 53], 1), ([70], 1), ([], 0)]
+    out, copied = apply_copies(base, copies)
+    assert copied == 2
+    # row 0: a 2-gram match, copied over the first two slots, the network's drafts after
+    assert out.tokens[0].tolist() == [40, 41, 3, 4]
+    # row 1: a 1-gram match whose first token agrees with the network: copied (k cut)
+    assert out.tokens[1].tolist() == [5, 50, 51, 52]
+    # rows 2, 3: a disagreeing 1-gram match, and no match: the network's drafts
+    assert torch.equal(out.tokens[2:], base.tokens[2:])
+    assert torch.equal(out.q_probs[2:], base.q_probs[2:])
+    # copied slots: q one-hot on the copied token (exact rejection sampling)
+    assert torch.equal(out.q_ids[0, :2, 0], ids(40, 41))
+    assert out.q_probs[0, :2].tolist() == [[1.0, 0.0, 0.0]] * 2
+    assert torch.equal(out.q_probs[0, 2:], base.q_probs[0, 2:])
+    assert torch.equal(base.tokens[0], ids(1, 2, 3, 4))  # the input is not modified
+
+
+def test_nothing_copied_returns_the_same_proposal():
+    base = proposal([[1, 2]])
+    out, copied = apply_copies(base, [([3], 1)])
+    assert out is base and copied == 0
