@@ -9,7 +9,9 @@ A copy replaces the network's first slots when the match is long (``>= MIN_NGRAM
 tokens), or when it is a single token and its first token equals the network's first
 draft (two independent guesses agree); the network's own drafts fill the slots after the
 copied ones. A copied slot's proposal ``q`` is one-hot on the copied token, so rejection
-sampling stays exact at any temperature.
+sampling stays exact at any temperature. A copy is always ``k`` tokens long (a copy that
+reaches the anchor repeats itself), so a sure copy replaces the whole block and the
+drafter skips the network's pass for that sequence.
 
 The history is a fixed-size buffer (``HISTORY_TOKENS`` ids), so the drafter's state
 stays independent of the context length.
@@ -54,6 +56,11 @@ def find_copy(history: torch.Tensor, anchor: int, k: int) -> tuple[list[int], in
     return [follow[j % len(follow)] for j in range(k)], best
 
 
+def is_sure(copy: list[int], n: int) -> bool:
+    """A match long enough to copy whatever the network drafts (it replaces every slot)."""
+    return bool(copy) and n >= MIN_NGRAM
+
+
 def copy_inputs(copies: list[tuple[list[int], int]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The network's copy inputs: tokens ``[n, k]`` (-1: none) and match lengths ``[n]``."""
     tokens = torch.full((len(copies), k), -1, dtype=torch.long)
@@ -88,7 +95,7 @@ def apply_copies(proposal: Proposal, copies: list[tuple[list[int], int]]) -> tup
     tokens, q_ids, q_probs = proposal.tokens, proposal.q_ids, proposal.q_probs
     changed = 0
     for i, (copy, n) in enumerate(copies):
-        if not copy or not (n >= MIN_NGRAM or copy[0] == int(tokens[i, 0])):
+        if not (is_sure(copy, n) or (copy and copy[0] == int(tokens[i, 0]))):
             continue
         if not changed:
             tokens, q_ids, q_probs = tokens.clone(), q_ids.clone(), q_probs.clone()

@@ -19,9 +19,9 @@ from target_actor.config import ModelConfig
 
 from .checkpoint import load_drafter_weights, load_target_head, save_drafter
 from .config import DrafterConfig, DrafterConfigError
-from .context_copy import apply_copies, copy_inputs, find_copy
+from .context_copy import apply_copies, copy_inputs, find_copy, is_sure
 from .markov import sample_block
-from .messages import DraftRequest, PrefillViews, Proposal, RoundUpdate
+from .messages import DraftRequest, PrefillViews, Proposal, RoundUpdate, scatter_proposal
 from .network import DrafterNetwork, LayerContext
 from .state import DrafterStateError, SequenceState
 
@@ -172,6 +172,40 @@ class Drafter:
             empty = torch.zeros(0, k, self.cfg.proposal_support)
             return Proposal(empty[..., 0].long(), empty.long(), empty)
         states = [self._advance(r) for r in requests]
+        copying = self.copies_context and self.cfg.context_copy
+        copies = (
+            [
+                find_copy(s.recent_tokens(), r.anchor, k)
+                for s, r in zip(states, requests, strict=True)
+            ]
+            if self.copies_context and (copying or self.cfg.copy_input)
+            else [([], 0)] * len(states)
+        )
+        # a sure copy replaces every slot: those sequences skip the block pass
+        rows = [i for i, c in enumerate(copies) if not (copying and is_sure(*c))]
+        proposal = scatter_proposal(
+            self._draft([states[i] for i in rows], [requests[i] for i in rows], k, copies, rows),
+            rows,
+            len(requests),
+        )
+        if not copying:
+            return proposal
+        proposal, copied = apply_copies(proposal, copies)
+        self.num_copied += copied
+        return proposal
+
+    def _draft(
+        self,
+        states: list[SequenceState],
+        requests: list[DraftRequest],
+        k: int,
+        copies: list[tuple[list[int], int]],
+        rows: list[int],
+    ) -> Proposal:
+        """The network's block pass for ``states`` (``rows`` of the call's ``copies``)."""
+        if not states:
+            empty = torch.zeros(0, k, self.cfg.proposal_support)
+            return Proposal(empty[..., 0].long(), empty.long(), empty)
         contexts = self._contexts(states)
         boundary = (
             self.net.fuse(torch.stack([s.boundary for s in states]))
@@ -179,21 +213,8 @@ class Drafter:
             else None
         )
         gens = [s.generator for s in states]
-        copies = (
-            [
-                find_copy(s.recent_tokens(), r.anchor, k)
-                for s, r in zip(states, requests, strict=True)
-            ]
-            if self.copies_context and (self.cfg.context_copy or self.cfg.copy_input)
-            else [([], 0)] * len(states)
-        )
-        inputs = copy_inputs(copies, k) if self.cfg.copy_input else None
-        proposal = draft_block(self.net, requests, gens, contexts, k, boundary, inputs)
-        if not (self.copies_context and self.cfg.context_copy):
-            return proposal
-        proposal, copied = apply_copies(proposal, copies)
-        self.num_copied += copied
-        return proposal
+        inputs = copy_inputs([copies[i] for i in rows], k) if self.cfg.copy_input else None
+        return draft_block(self.net, requests, gens, contexts, k, boundary, inputs)
 
     @torch.no_grad()
     def apply_updates(self, updates: list[RoundUpdate]) -> None:

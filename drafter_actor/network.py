@@ -152,8 +152,8 @@ class DrafterNetwork(nn.Module):
         # K/V row: zero at init, so a drafter trained without it starts unchanged
         self.boundary_proj = nn.Linear(d, d, bias=False) if cfg.boundary_input else None
         # the context-copy candidate of each MASK slot (its embedding, projected) plus a
-        # vector per match length: zero at init, so a drafter trained without it starts
-        # unchanged
+        # vector per match length; the projection starts as the identity (the candidate's
+        # own embedding), since from zero it grows too slowly to be learned in a short run
         self.copy_proj = nn.Linear(d, d, bias=False) if cfg.copy_input else None
         self.copy_bias = nn.Parameter(torch.zeros(MAX_NGRAM + 1, d)) if cfg.copy_input else None
         self.summary_queries = nn.Parameter(torch.zeros(L, H, R, hd))  # G
@@ -176,8 +176,10 @@ class DrafterNetwork(nn.Module):
             for name, p in self.named_parameters():
                 if "norm" in name:
                     p.fill_(1.0)
-                elif name.startswith(("boundary_proj", "copy_")):
+                elif name.startswith(("boundary_proj", "copy_bias")):
                     p.zero_()
+                elif name == "copy_proj.weight":
+                    p.copy_(torch.eye(p.shape[0]))
                 elif name == "summary_queries":  # scores of O(1) against the target's keys
                     p.copy_(torch.randn(p.shape, generator=gen))
                 else:

@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     texport.add_argument("--out", required=True, help="e.g. drafter_actor/weights/<target name>")
     texport.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     texport.add_argument("--step", type=_positive_int, default=None, help="a checkpoint's step")
+    texport.add_argument(
+        "--no-context-copy", action="store_true", help="ship without context copy (ablation)"
+    )
 
     ev = sub.add_parser("eval", help="evaluate a drafter")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
@@ -308,7 +311,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
     elif args.train_command == "export":
         from drafter_actor.training.export import export_drafter
 
-        print(json.dumps(export_drafter(args.drafter, args.out, args.dtype, args.step), indent=2))
+        report = export_drafter(
+            args.drafter, args.out, args.dtype, args.step, not args.no_context_copy
+        )
+        print(json.dumps(report, indent=2))
     else:
         from drafter_actor.training import train_drafter
         from drafter_actor.training.config import from_args

@@ -55,7 +55,7 @@ class TrainConfig:
         False, "also feed the boundary state into the block rows (added to init_from drafters)"
     )
     copy_input: bool = _f(
-        False, "feed context-copy candidates into the MASK rows (added to init_from drafters)"
+        False, "feed context-copy candidates into the MASK rows (can extend init_from drafters)"
     )
 
     # -- the objective ----------------------------------------------------------------

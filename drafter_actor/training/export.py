@@ -10,6 +10,7 @@ the machine that trained it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -25,14 +26,19 @@ LOCAL_KEYS = ("out", "data_dir", "target", "target_path", "cache_dir", "init_fro
 
 
 def export_drafter(
-    run: str | Path, out: str | Path, dtype: str = "bfloat16", step: int | None = None
+    run: str | Path,
+    out: str | Path,
+    dtype: str = "bfloat16",
+    step: int | None = None,
+    context_copy: bool = True,
 ) -> dict[str, Any]:
-    """Write the drafter of ``run`` (its final weights, or checkpoint ``step``) to ``out``."""
+    """Write the drafter of ``run`` (its final weights, or checkpoint ``step``) to ``out``,
+    with context copy switched on (``context_copy``) as it is served."""
     run = Path(run)
     src = run if step is None else _checkpoint(run, step)
     try:
         cfg, weights = saved_drafter(src)
-        save_drafter(out, cfg, weights, dtype)
+        save_drafter(out, dataclasses.replace(cfg, context_copy=context_copy), weights, dtype)
     except (DrafterConfigError, OSError) as e:
         raise TrainError(f"cannot export {src}: {e}") from None
     info_path = run / TRAIN_CONFIG

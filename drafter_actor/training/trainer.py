@@ -173,7 +173,7 @@ class Trainer:
         if saved is not None:
             added = _added_inputs(saved[0], dcfg)
             if added:
-                net.init_random(cfg.seed, cfg.init_std)  # the added inputs start at zero
+                net.init_random(cfg.seed, cfg.init_std)  # the added inputs' initial weights
                 keys = net.load_state_dict(saved[1], strict=False)
                 if keys.unexpected_keys or sorted(keys.missing_keys) != added:
                     raise TrainError(f"cannot extend the drafter: {keys}")
@@ -360,7 +360,7 @@ def _schedule(cfg: TrainConfig):
 
 
 def _added_inputs(saved: DrafterConfig, new: DrafterConfig) -> list[str]:
-    """The (zero-initialised) weights of block inputs ``new`` reads and ``saved`` did not."""
+    """The weights of block inputs ``new`` reads and ``saved`` did not (``init_random``'s)."""
     added = []
     if new.boundary_input and not saved.boundary_input:
         added.append("boundary_proj.weight")
