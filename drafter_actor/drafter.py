@@ -5,7 +5,9 @@ the window and the summary, the boundary is replaced, the rejected positions bec
 carry rows), then drafts every sequence in ONE block pass. Every sequence's context has
 the same fixed layout ``[window (W) ; boundary (1) ; carry (k_max)]`` plus ``R`` summary
 slots, with masks for missing rows, so a batch drafts exactly what each sequence would
-alone, and the cost does not depend on the context length.
+alone, and the cost does not depend on the context length. With context copy
+(``context_copy.py``) a sequence whose recent text repeats takes the copied continuation
+and skips the block pass.
 """
 
 from __future__ import annotations
@@ -160,7 +162,9 @@ class Drafter:
     def propose(
         self, requests: list[DraftRequest], k: int, updates: list[RoundUpdate] | None = None
     ) -> Proposal:
-        """Apply the last round's updates, then draft ``k`` tokens for all in one block pass.
+        """Apply the last round's updates, then draft ``k`` tokens for every sequence: sure
+        context copies as they are, the others in one block pass (copies that agree with
+        the network's first draft replace its first slots).
 
         Updates come with each request (``DraftRequest.update``) or, straight from the
         target's verify, as ``updates`` (matched by ``seq_id``; those of sequences freed
