@@ -172,9 +172,6 @@ class Drafter:
         """
         check_requests(requests, k, self.cfg)
         self.apply_updates(updates or [])
-        if not requests:
-            empty = torch.zeros(0, k, self.cfg.proposal_support)
-            return Proposal(empty[..., 0].long(), empty.long(), empty)
         states = [self._advance(r) for r in requests]
         copying = self.copies_context and self.cfg.context_copy
         copies = (
@@ -187,11 +184,10 @@ class Drafter:
         )
         # a sure copy replaces every slot: those sequences skip the block pass
         rows = [i for i, c in enumerate(copies) if not (copying and is_sure(*c))]
-        proposal = scatter_proposal(
-            self._draft([states[i] for i in rows], [requests[i] for i in rows], k, copies, rows),
-            rows,
-            len(requests),
+        part = self._draft(
+            [states[i] for i in rows], [requests[i] for i in rows], k, [copies[i] for i in rows]
         )
+        proposal = scatter_proposal(part, rows, len(requests))
         if not copying:
             return proposal
         proposal, copied = apply_copies(proposal, copies)
@@ -204,9 +200,8 @@ class Drafter:
         requests: list[DraftRequest],
         k: int,
         copies: list[tuple[list[int], int]],
-        rows: list[int],
     ) -> Proposal:
-        """The network's block pass for ``states`` (``rows`` of the call's ``copies``)."""
+        """The network's block pass for ``states`` (``copies``: their context-copy matches)."""
         if not states:
             empty = torch.zeros(0, k, self.cfg.proposal_support)
             return Proposal(empty[..., 0].long(), empty.long(), empty)
@@ -217,7 +212,7 @@ class Drafter:
             else None
         )
         gens = [s.generator for s in states]
-        inputs = copy_inputs([copies[i] for i in rows], k) if self.cfg.copy_input else None
+        inputs = copy_inputs(copies, k) if self.cfg.copy_input else None
         return draft_block(self.net, requests, gens, contexts, k, boundary, inputs)
 
     @torch.no_grad()

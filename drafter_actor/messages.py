@@ -71,7 +71,10 @@ class Proposal:
 
 
 def scatter_proposal(part: Proposal, rows: list[int], n: int) -> Proposal:
-    """A proposal for ``n`` sequences holding ``part`` at ``rows`` (others: padding, unused)."""
+    """A proposal for ``n`` sequences holding ``part`` at ``rows`` (others: padding, unused);
+    ``part`` itself when it already covers all ``n`` in order."""
+    if rows == list(range(n)):
+        return part
     k, kq = part.q_ids.shape[1:]
     tokens = torch.full((n, k), -1, dtype=part.tokens.dtype)
     q_ids = torch.zeros(n, k, kq, dtype=part.q_ids.dtype)

@@ -173,7 +173,7 @@ class Engine:
             proposal = self.drafter.propose(requests, max(num_draft), self._updates)
             if proposal is None:  # the drafter failed this round: verify zero drafts
                 num_draft = batch.num_draft = [0] * len(running)
-            elif len(rows) < len(running):
+            else:
                 proposal = scatter_proposal(proposal, rows, len(running))
         elif self.drafter is not None and self._updates is not None and self.policy:
             self.drafter.update(self._updates)  # a plain round: keep the drafter's views current

@@ -100,11 +100,7 @@ class ResilientDrafter:
             self.fallbacks += 1
             self._failed(exc, part)
             return None
-        return (
-            proposal
-            if len(rows) == len(requests)
-            else scatter_proposal(proposal, rows, len(requests))
-        )
+        return scatter_proposal(proposal, rows, len(requests))
 
     def update(self, updates: Any) -> None:
         """A plain round's updates, fire and forget (a dead actor shows at the next propose)."""
