@@ -102,6 +102,7 @@ def build_engine(opts: EngineOptions) -> tuple[Engine, Callable[[], None]]:
             max_num_seqs=opts.max_num_seqs,
             drafter_name=drafter_path or "",
             adaptive=opts.adaptive,
+            copy_drafts=opts.context_copy,
         ),
     )
 

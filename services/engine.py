@@ -26,6 +26,7 @@ from drafter_actor.messages import DraftRequest, scatter_proposal
 from target_actor.batch import PrefillBatch, SeqSampling, StepResult, VerifyBatch
 from target_actor.config import TargetConfigError
 
+from .copy_drafts import CopyPlanner, copy_proposal, find_candidate
 from .metrics import EngineStats
 from .sampling import InvalidRequest, SamplingParams
 from .scheduler import Scheduler
@@ -45,6 +46,8 @@ class EngineConfig:
     drafter_name: str = ""  # for reports: a folder, "random", or "" in plain mode
     adaptive: bool = False  # pick each round's k (0 = plain) from measured acceptance and cost
     probe_every: int = 256  # adaptive, drafter aside: rounds between probe sequences
+    # adaptive: rounds without the network draft context copies where they pay
+    copy_drafts: bool = False
 
     def __post_init__(self) -> None:
         if min(self.k, self.max_num_seqs, self.max_prefill_seqs, self.probe_every) < 1:
@@ -91,6 +94,9 @@ class Engine:
         # target skips the drafter's taps while no running sequence has state.
         self._plain_only: set[int] = set()
         self._probes: set[int] = set()  # sequences admitted with state while the drafter is aside
+        self.copier = (
+            CopyPlanner(self.config.k) if self.policy and self.config.copy_drafts else None
+        )
         self._asleep = False
         self._since_probe = 0
         if drafter is not None:
@@ -163,7 +169,7 @@ class Engine:
             want_updates=self.drafter is not None
             and any(s.seq_id not in self._plain_only for s in running),
         )
-        proposal = None
+        proposal, copies = None, None
         if self.drafter is not None and max(num_draft) > 0:
             rows = [i for i, s in enumerate(running) if s.seq_id not in self._plain_only]
             requests = [
@@ -175,13 +181,23 @@ class Engine:
                 num_draft = batch.num_draft = [0] * len(running)
             else:
                 proposal = scatter_proposal(proposal, rows, len(running))
-        elif self.drafter is not None and self._updates is not None and self.policy:
-            self.drafter.update(self._updates)  # a plain round: keep the drafter's views current
+        else:
+            if self.drafter is not None and self._updates is not None and self.policy:
+                self.drafter.update(self._updates)  # keep the drafter's views current
+            if self.copier is not None:
+                copies = self._plan_copies(running)
+                if copies:
+                    num_draft, proposal = copy_proposal(copies, len(running))
+                    batch.num_draft = num_draft
         t1 = time.perf_counter()
         result, self._updates = self.target.verify(batch, proposal)
         t2 = time.perf_counter()
         if self.policy:
-            self.policy.observe(num_draft, result.num_accepted, t1 - t0, t2 - t1)
+            network = proposal is not None and copies is None
+            self.policy.observe(num_draft, result.num_accepted, t1 - t0, t2 - t1, network)
+        if copies:
+            self.copier.observe(copies, result.num_accepted)
+            self.stats.copy_drafts += len(copies)
         self._commit(running, result, num_draft)
         self.stats.observe_round(
             draft_s=t1 - t0,
@@ -190,6 +206,20 @@ class Engine:
             num_draft=num_draft,
             num_accepted=result.num_accepted,
         )
+
+    def _plan_copies(self, running: list[Sequence]) -> list:
+        """A round without the network: the context copies worth verifying (see
+        ``services.copy_drafts``). Seeded sampled requests never copy (their draft
+        lengths must not follow timings)."""
+        candidates = []
+        for i, s in enumerate(running):
+            if self._keeps_k(s):
+                continue
+            limit = min(self.config.k, s.remaining - 1, self.max_len - s.total_len - 1)
+            c = find_candidate(i, s.prompt_ids + s.output_ids, limit, s.params.temperature > 0)
+            if c is not None:
+                candidates.append(c)
+        return self.copier.plan(candidates, len(running), self.policy.verify)
 
     def _sleep_or_wake(self, running: list[Sequence]) -> None:
         """Put the drafter aside while drafting does not pay; take it back once it does.

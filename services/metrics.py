@@ -48,6 +48,7 @@ class EngineStats:
     num_output_tokens: int = 0
     drafter_sleeps: int = 0  # times the adaptive policy put the drafter aside
     drafter_probes: int = 0  # sequences admitted with drafter state while it was aside
+    copy_drafts: int = 0  # sequence-rounds that drafted an engine-side context copy
     round_log: TimingLog = field(default_factory=TimingLog)  # (draft_s, verify_s, round_s)
     request_log: TimingLog = field(default_factory=TimingLog)  # (e2e_s,), aborts excluded
 
@@ -92,4 +93,5 @@ class EngineStats:
             "round_ms": round(1e3 * self.round_s / max(1, self.rounds), 3),
             "drafter_sleeps": self.drafter_sleeps,
             "drafter_probes": self.drafter_probes,
+            "copy_drafts": self.copy_drafts,
         }

@@ -90,6 +90,7 @@ def build_replica_engine(
             max_num_seqs=args.max_num_seqs,
             drafter_name=args.drafter or "",
             adaptive=args.adaptive,
+            copy_drafts=args.context_copy,
         ),
     )
 

@@ -13,7 +13,9 @@ with ``E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} alpha_j`` from the per-positio
 acceptance rates ``alpha_j`` seen so far (DSpark's view of the block: each position is
 accepted only if every earlier one was), and both costs from linear models fitted online
 to the measured rounds (``seconds ~ a + b * rows``, exponentially forgotten so they follow
-load and context changes). ``k = 0`` is a plain decoding round. By default ``k`` is
+load and context changes). ``k = 0`` is a round without the network: plain decoding,
+except that the engine drafts context copies there where they pay (``services.copy_drafts``),
+so its ``E[tokens | 0]`` and rows per sequence are measured too, not assumed to be 1. By default ``k`` is
 either 0 or ``k_max`` (``all_or_nothing``; ``_choices`` says why). The policy never changes
 what is generated, only how fast: verification stays lossless for any ``k``.
 
@@ -67,17 +69,63 @@ class LinearCost:
 
 
 @dataclass
+class Acceptance:
+    """Per-position acceptance of drafts of up to ``k_max`` tokens, exponentially forgotten.
+
+    ``alpha_j`` = P(draft ``j`` accepted | drafts ``1..j-1`` accepted): each position is
+    accepted only if every earlier one was (DSpark's view of the block).
+    """
+
+    k_max: int
+    decay: float = 0.995  # forgetting, per observed sequence-round
+    prior: float = 0.5  # acceptance assumed before any evidence (weight 1 trial)
+    trials: list[float] = field(default_factory=list)
+    accepts: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.trials = [0.0] * self.k_max
+        self.accepts = [0.0] * self.k_max
+
+    def alphas(self) -> list[float]:
+        return [
+            (a + self.prior) / (t + 1.0) for a, t in zip(self.accepts, self.trials, strict=True)
+        ]
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one sequence commits in a round with ``k`` drafts (the bonus included)."""
+        total, run = 1.0, 1.0
+        for alpha in self.alphas()[:k]:
+            run *= alpha
+            total += run
+        return total
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """One sequence-round: ``num_draft`` drafts of which the first ``num_accepted`` held."""
+        if num_draft == 0:
+            return
+        d = self.decay
+        self.trials = [t * d for t in self.trials]
+        self.accepts = [a * d for a in self.accepts]
+        for j in range(min(num_accepted + 1, num_draft, self.k_max)):  # 1..m held, m+1 failed
+            self.trials[j] += 1.0
+            self.accepts[j] += 1.0 if j < num_accepted else 0.0
+
+
+@dataclass
 class SpecPolicy:
     """Chooses each round's draft length from measured acceptance and costs."""
 
     k_max: int
     explore_every: int = 32
-    decay: float = 0.995  # forgetting of the acceptance counts, per observed sequence-round
-    prior_accept: float = 0.5  # acceptance assumed before any evidence (weight 1 trial)
     verify: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=LinearCost)
-    trials: list[float] = field(default_factory=list)
-    accepts: list[float] = field(default_factory=list)
+    accepted: Acceptance = field(init=False)  # the drafter's drafts (network rounds)
+    # rounds without the network: engine-side context copies may still draft there
+    # (``services.copy_drafts``), so they commit ``plain_tokens`` and verify ``plain_rows``
+    # per sequence on average (1 and 1 with no copies); exponentially forgotten
+    plain_tokens: float = 1.0
+    plain_rows: float = 1.0
+    plain_decay: float = 0.9
     sleep_after: int = 16  # plain rounds chosen in a row before the policy is idle
     all_or_nothing: bool = True  # choose k from {0, k_max} only (see _choices)
     since_other: int = 0  # rounds since the mode not chosen last was tried
@@ -87,26 +135,22 @@ class SpecPolicy:
     def __post_init__(self) -> None:
         if self.k_max < 1:
             raise ValueError("k_max must be >= 1")
-        self.trials = [0.0] * self.k_max
-        self.accepts = [0.0] * self.k_max
+        self.accepted = Acceptance(self.k_max)
 
     # -- estimates ------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
-        """``alpha_j``: P(draft ``j`` accepted | drafts ``1..j-1`` accepted), j = 1..k_max."""
-        p = self.prior_accept
-        return [(a + p) / (t + 1.0) for a, t in zip(self.accepts, self.trials, strict=True)]
+        """``alpha_j`` of the drafter's drafts, j = 1..k_max."""
+        return self.accepted.alphas()
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens one sequence commits in a round with ``k`` drafts (the bonus included)."""
-        total, run = 1.0, 1.0
-        for alpha in self.acceptance()[:k]:
-            run *= alpha
-            total += run
-        return total
+        """Tokens one sequence commits in a round with ``k`` drafts (the bonus included);
+        ``k = 0``: a round without the network (context copies included)."""
+        return self.accepted.expected_tokens(k) if k else self.plain_tokens
 
     def round_seconds(self, batch: int, k: int) -> float:
-        drafting = self.draft.predict(batch * (k + 1)) if k else 0.0
-        return drafting + self.verify.predict(batch * (k + 1))
+        if not k:
+            return self.verify.predict(batch * self.plain_rows)
+        return self.draft.predict(batch * (k + 1)) + self.verify.predict(batch * (k + 1))
 
     # -- the decision ---------------------------------------------------------------------
     def choose(self, batch: int) -> int:
@@ -146,23 +190,26 @@ class SpecPolicy:
 
     # -- feedback -------------------------------------------------------------------------
     def observe(
-        self, num_draft: list[int], num_accepted: list[int], draft_s: float, verify_s: float
+        self,
+        num_draft: list[int],
+        num_accepted: list[int],
+        draft_s: float,
+        verify_s: float,
+        network: bool = True,
     ) -> None:
-        """One finished round: per-sequence drafts and accepted counts, and its timings."""
+        """One finished round: per-sequence drafts and accepted counts, and its timings.
+        ``network=False``: a round without the drafter's network (any drafts were copies)."""
         rows = sum(n + 1 for n in num_draft)
         self.verify.observe(rows, verify_s)
+        if not network:
+            d, n = self.plain_decay, len(num_draft)
+            self.plain_rows = d * self.plain_rows + (1 - d) * rows / n
+            self.plain_tokens = d * self.plain_tokens + (1 - d) * (n + sum(num_accepted)) / n
+            return
         if any(num_draft):
             self.draft.observe(rows, draft_s)
-        d = self.decay
         for n, m in zip(num_draft, num_accepted, strict=True):
-            if n == 0:
-                continue
-            for j in range(self.k_max):
-                self.trials[j] *= d
-                self.accepts[j] *= d
-            for j in range(min(m + 1, n)):  # positions 1..m accepted, m+1 tried and rejected
-                self.trials[j] += 1.0
-                self.accepts[j] += 1.0 if j < m else 0.0
+            self.accepted.observe(n, m)
 
 
-__all__ = ["LinearCost", "SpecPolicy"]
+__all__ = ["Acceptance", "LinearCost", "SpecPolicy"]

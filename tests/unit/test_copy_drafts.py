@@ -1,0 +1,108 @@
+"""Engine-side context copies: which copies a round drafts, and that output stays exact."""
+
+from __future__ import annotations
+
+import torch
+
+from services.copy_drafts import CopyCandidate, CopyPlanner, copy_proposal, find_candidate
+from services.engine import Engine, EngineConfig
+from services.sampling import SamplingParams
+from services.spec_policy import LinearCost, SpecPolicy
+from target_actor.runner import TargetSpec
+from target_actor.worker import LocalTarget
+
+from .test_engine import ByteTokenizer, prompts, random_drafter
+from .test_spec_policy import Scripted
+
+
+def cost(a: float, b: float) -> LinearCost:
+    line = LinearCost()
+    for rows in (1, 8, 32, 64):
+        line.observe(rows, a + b * rows)
+    return line
+
+
+def test_candidate_is_the_sure_copy_capped_at_the_limit():
+    ids = [5, 6, 7, 8, 9, 1, 5, 6]  # anchor 6 after 5: "5 6" matched, "7 8 9 ..." follows
+    c = find_candidate(3, ids, limit=2, sampled=False)
+    assert c == CopyCandidate(3, [7, 8], (2, False))
+    assert find_candidate(0, [5, 6, 7, 1, 6], 4, False) is None  # a 1-token match: not sure
+    assert find_candidate(0, ids, 0, False) is None  # no room left to draft
+
+
+def test_planner_drafts_every_copy_when_rows_are_nearly_free_and_only_sure_ones_when_not():
+    long_ = CopyCandidate(0, [1] * 7, (8, False))
+    short = CopyCandidate(1, [2] * 7, (2, False))
+    planner = CopyPlanner(7, explore_every=10**9)
+    for _ in range(200):  # 8-token matches hold whole; 2-token ones fail at once
+        planner.observe([long_, short], [7, 0])
+    memory_bound = cost(0.040, 0.0001)
+    assert planner.plan([long_, short], 1, memory_bound) == [long_]  # a failing copy: no gain
+    short_acc = planner.acceptance[(2, False)]
+    short_acc.accepts[0] = short_acc.trials[0]  # now its first slot always holds
+    assert planner.plan([long_, short], 1, memory_bound) == [long_, short]
+    compute_bound = cost(0.010, 0.004)  # a row costs most of a plain step: near-certain only
+    assert planner.plan([long_, short], 32, compute_bound) == [long_]
+
+
+def test_planner_explores_every_candidate_now_and_then():
+    c = CopyCandidate(0, [1] * 7, (2, False))
+    planner = CopyPlanner(7, explore_every=3)
+    for _ in range(100):
+        planner.observe([c], [0])
+    plans = [planner.plan([c], 32, cost(0.0, 0.005)) for _ in range(6)]
+    assert plans.count([c]) == 2 and plans.count([]) == 4
+
+
+def test_copy_proposal_is_one_hot_on_the_copied_tokens():
+    drafted = [CopyCandidate(2, [4, 5, 6], (3, True)), CopyCandidate(0, [9], (2, False))]
+    num_draft, p = copy_proposal(drafted, 3)
+    assert num_draft == [1, 0, 3]
+    assert p.tokens[2].tolist() == [4, 5, 6] and p.tokens[0, 0] == 9
+    assert torch.equal(p.q_ids[2, :, 0], p.tokens[2]) and torch.all(p.q_probs == 1.0)
+
+
+def test_policy_counts_copies_in_plain_rounds():
+    policy = SpecPolicy(k_max=7)
+    for _ in range(100):  # each plain round: 2 sequences, one copies 7 and keeps 5
+        policy.observe([7, 0], [5, 0], 0.0, 0.050, network=False)
+    assert abs(policy.expected_tokens(0) - 3.5) < 0.01
+    assert abs(policy.plain_rows - 4.5) < 0.01
+    assert policy.accepted.trials == [0.0] * 7  # the network's acceptance untouched
+
+
+class AlwaysPlain(Scripted):
+    def choose(self, batch: int) -> int:
+        return 0
+
+
+def test_copy_rounds_equal_plain_decoding_and_keep_the_drafter_in_sync(tiny_checkpoints):
+    """Repetitive prompts: engine copies happen in plain rounds, output equals plain
+    decoding, and the drafter's views stay current for the network rounds in between."""
+    path = tiny_checkpoints["llama"]
+    ps = [p * 3 for p in prompts(6, 4)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = Engine(
+        LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)), ByteTokenizer()
+    ).generate(ps, params)
+    for policy in (AlwaysPlain(4), Scripted(4)):
+        engine = Engine(
+            LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)),
+            ByteTokenizer(),
+            random_drafter(path, k=4),
+            EngineConfig(k=4, adaptive=True, copy_drafts=True),
+        )
+        engine.policy = policy
+        outs = engine.generate(ps, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        assert engine.stats.copy_drafts > 0
+        assert engine.drafter.num_states() == 0
+
+
+def test_copies_off_by_default_and_without_the_adaptive_policy(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    target = LocalTarget(TargetSpec(str(path), kv_cache_tokens=1024))
+    drafter = random_drafter(path, k=4)
+    assert Engine(target, ByteTokenizer(), drafter, EngineConfig(k=4, adaptive=True)).copier is None
+    fixed = Engine(target, ByteTokenizer(), drafter, EngineConfig(k=4, copy_drafts=True))
+    assert fixed.copier is None
