@@ -157,8 +157,10 @@ class Engine:
         if not running:
             return
         t0 = time.perf_counter()
-        k = self.policy.choose(len(running)) if self.policy else self.config.k
+        k, copies = self.config.k, None
         if self.policy:
+            copies = self._plan_copies(running)
+            k = self.policy.choose(len(running))
             self._sleep_or_wake(running)
         num_draft = [self._num_draft(s, k) for s in running]
         batch = VerifyBatch(
@@ -169,7 +171,7 @@ class Engine:
             want_updates=self.drafter is not None
             and any(s.seq_id not in self._plain_only for s in running),
         )
-        proposal, copies = None, None
+        proposal, copied = None, False
         if self.drafter is not None and max(num_draft) > 0:
             rows = [i for i, s in enumerate(running) if s.seq_id not in self._plain_only]
             requests = [
@@ -184,18 +186,16 @@ class Engine:
         else:
             if self.drafter is not None and self._updates is not None and self.policy:
                 self.drafter.update(self._updates)  # keep the drafter's views current
-            if self.copier is not None:
-                copies = self._plan_copies(running)
-                if copies:
-                    num_draft, proposal = copy_proposal(copies, len(running))
-                    batch.num_draft = num_draft
+            if copies:  # a round without the network: the planned copies draft
+                num_draft, proposal = copy_proposal(copies, len(running))
+                batch.num_draft, copied = num_draft, True
         t1 = time.perf_counter()
         result, self._updates = self.target.verify(batch, proposal)
         t2 = time.perf_counter()
         if self.policy:
-            network = proposal is not None and copies is None
+            network = proposal is not None and not copied
             self.policy.observe(num_draft, result.num_accepted, t1 - t0, t2 - t1, network)
-        if copies:
+        if copied:
             self.copier.observe(copies, result.num_accepted)
             self.stats.copy_drafts += len(copies)
         self._commit(running, result, num_draft)
@@ -208,9 +208,11 @@ class Engine:
         )
 
     def _plan_copies(self, running: list[Sequence]) -> list:
-        """A round without the network: the context copies worth verifying (see
-        ``services.copy_drafts``). Seeded sampled requests never copy (their draft
-        lengths must not follow timings)."""
+        """The context copies worth verifying if this round goes without the network (see
+        ``services.copy_drafts``), priced into the policy's plain option. Seeded sampled
+        requests never copy (their draft lengths must not follow timings)."""
+        if self.copier is None:
+            return []
         candidates = []
         for i, s in enumerate(running):
             if self._keeps_k(s):
@@ -219,7 +221,11 @@ class Engine:
             c = find_candidate(i, s.prompt_ids + s.output_ids, limit, s.params.temperature > 0)
             if c is not None:
                 candidates.append(c)
-        return self.copier.plan(candidates, len(running), self.policy.verify)
+        plan = self.copier.plan(candidates, len(running), self.policy.verify)
+        n = len(running)
+        self.policy.plain_tokens = 1.0 + sum(self.copier.gain(c) for c in plan) / n
+        self.policy.plain_rows = 1.0 + sum(len(c.tokens) for c in plan) / n
+        return plan
 
     def _sleep_or_wake(self, running: list[Sequence]) -> None:
         """Put the drafter aside while drafting does not pay; take it back once it does.

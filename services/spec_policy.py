@@ -15,7 +15,7 @@ accepted only if every earlier one was), and both costs from linear models fitte
 to the measured rounds (``seconds ~ a + b * rows``, exponentially forgotten so they follow
 load and context changes). ``k = 0`` is a round without the network: plain decoding,
 except that the engine drafts context copies there where they pay (``services.copy_drafts``),
-so its ``E[tokens | 0]`` and rows per sequence are measured too, not assumed to be 1. By default ``k`` is
+so its ``E[tokens | 0]`` and rows per sequence come from that round's copy plan. By default ``k`` is
 either 0 or ``k_max`` (``all_or_nothing``; ``_choices`` says why). The policy never changes
 what is generated, only how fast: verification stays lossless for any ``k``.
 
@@ -120,12 +120,12 @@ class SpecPolicy:
     verify: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=LinearCost)
     accepted: Acceptance = field(init=False)  # the drafter's drafts (network rounds)
-    # rounds without the network: engine-side context copies may still draft there
-    # (``services.copy_drafts``), so they commit ``plain_tokens`` and verify ``plain_rows``
-    # per sequence on average (1 and 1 with no copies); exponentially forgotten
+    # a round without the network: engine-side context copies may still draft there
+    # (``services.copy_drafts``), so it is expected to commit ``plain_tokens`` and verify
+    # ``plain_rows`` per sequence (1 and 1 without copies); the engine prices its copy
+    # plan into these before each ``choose``
     plain_tokens: float = 1.0
     plain_rows: float = 1.0
-    plain_decay: float = 0.9
     sleep_after: int = 16  # plain rounds chosen in a row before the policy is idle
     all_or_nothing: bool = True  # choose k from {0, k_max} only (see _choices)
     since_other: int = 0  # rounds since the mode not chosen last was tried
@@ -202,9 +202,6 @@ class SpecPolicy:
         rows = sum(n + 1 for n in num_draft)
         self.verify.observe(rows, verify_s)
         if not network:
-            d, n = self.plain_decay, len(num_draft)
-            self.plain_rows = d * self.plain_rows + (1 - d) * rows / n
-            self.plain_tokens = d * self.plain_tokens + (1 - d) * (n + sum(num_accepted)) / n
             return
         if any(num_draft):
             self.draft.observe(rows, draft_s)

@@ -45,13 +45,14 @@ def test_planner_drafts_every_copy_when_rows_are_nearly_free_and_only_sure_ones_
     assert planner.plan([long_, short], 32, compute_bound) == [long_]
 
 
-def test_planner_explores_every_candidate_now_and_then():
-    c = CopyCandidate(0, [1] * 7, (2, False))
+def test_planner_explores_the_least_known_candidate_now_and_then():
+    known = CopyCandidate(0, [1] * 7, (2, False))
+    unknown = CopyCandidate(1, [1] * 7, (5, False))
     planner = CopyPlanner(7, explore_every=3)
     for _ in range(100):
-        planner.observe([c], [0])
-    plans = [planner.plan([c], 32, cost(0.0, 0.005)) for _ in range(6)]
-    assert plans.count([c]) == 2 and plans.count([]) == 4
+        planner.observe([known], [0])
+    plans = [planner.plan([known, unknown], 32, cost(0.0, 0.005)) for _ in range(6)]
+    assert plans == [[], [], [unknown], [], [], [unknown]]
 
 
 def test_copy_proposal_is_one_hot_on_the_copied_tokens():
@@ -62,13 +63,18 @@ def test_copy_proposal_is_one_hot_on_the_copied_tokens():
     assert torch.equal(p.q_ids[2, :, 0], p.tokens[2]) and torch.all(p.q_probs == 1.0)
 
 
-def test_policy_counts_copies_in_plain_rounds():
+def test_policy_prices_a_round_of_copies_as_its_plain_option():
     policy = SpecPolicy(k_max=7)
-    for _ in range(100):  # each plain round: 2 sequences, one copies 7 and keeps 5
-        policy.observe([7, 0], [5, 0], 0.0, 0.050, network=False)
-    assert abs(policy.expected_tokens(0) - 3.5) < 0.01
-    assert abs(policy.plain_rows - 4.5) < 0.01
-    assert policy.accepted.trials == [0.0] * 7  # the network's acceptance untouched
+    linear = lambda rows: 0.040 + 0.006 * rows  # noqa: E731 - 8 rows: about 2 plain steps
+    for _ in range(40):  # the network's drafts: about 3 tokens a round
+        k = policy.choose(1)
+        policy.observe([k], [2 if k else 0], 0.004 if k else 0.0, linear(k + 1))
+    policy.since_other = 0
+    assert policy.choose(1) == 7  # plain decoding (1 token a round) loses to the network
+    policy.plain_tokens, policy.plain_rows = 4.0, 8.0  # this round has a long sure copy
+    assert policy.choose(1) == 0
+    policy.observe([7], [2], 0.0, linear(8), network=False)
+    assert policy.accepted.trials[3] < 1.0  # copies never count as the network's drafts
 
 
 class AlwaysPlain(Scripted):

@@ -95,7 +95,7 @@ def test_joint_of_first_three_tokens_matches_target(tmp_path, prompt, context_co
     engine = Engine(target, Letters(), drafter, config)
     if engine_copy:
         engine.policy = NetworkNever(2)
-        engine.copier.explore_every = 1  # every candidate drafts
+        engine.copier.plan = lambda candidates, batch, verify: candidates  # all draft
     torch.manual_seed(0)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
     outs = engine.generate(
