@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from drafter_actor.messages import DraftRequest, scatter_proposal
+from drafter_actor.messages import HISTORY_TOKENS, DraftRequest, scatter_proposal
 from target_actor.batch import PrefillBatch, SeqSampling, StepResult, VerifyBatch
 from target_actor.config import TargetConfigError
 
@@ -217,8 +217,9 @@ class Engine:
         for i, s in enumerate(running):
             if self._keeps_k(s):
                 continue
-            limit = min(self.config.k, s.remaining - 1, self.max_len - s.total_len - 1)
-            c = find_candidate(i, s.prompt_ids + s.output_ids, limit, s.params.temperature > 0)
+            limit = self._draft_limit(s, self.config.k)
+            ids = s.last_ids(HISTORY_TOKENS + 1)
+            c = find_candidate(i, ids, limit, s.params.temperature > 0)
             if c is not None:
                 candidates.append(c)
         plan = self.copier.plan(candidates, len(running), self.policy.verify)
@@ -271,6 +272,10 @@ class Engine:
             return 0
         if self._keeps_k(seq):
             k = self.config.k
+        return self._draft_limit(seq, k)
+
+    def _draft_limit(self, seq: Sequence, k: int) -> int:
+        """At most ``k`` drafts, never past max_tokens or the context."""
         return max(0, min(k, seq.remaining - 1, self.max_len - seq.total_len - 1))
 
     def _prefill(self, seqs: list[Sequence]) -> None:

@@ -95,3 +95,10 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    def last_ids(self, n: int) -> list[int]:
+        """The last ``n`` committed ids (prompt and output), without copying the rest."""
+        tail = self.output_ids[-n:]
+        if len(tail) < n:
+            tail = self.prompt_ids[max(0, len(self.prompt_ids) - (n - len(tail))) :] + tail
+        return tail

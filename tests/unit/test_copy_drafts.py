@@ -112,3 +112,14 @@ def test_copies_off_by_default_and_without_the_adaptive_policy(tiny_checkpoints)
     assert Engine(target, ByteTokenizer(), drafter, EngineConfig(k=4, adaptive=True)).copier is None
     fixed = Engine(target, ByteTokenizer(), drafter, EngineConfig(k=4, copy_drafts=True))
     assert fixed.copier is None
+
+
+def test_last_ids_spans_prompt_and_output():
+    from services.sequence import Sequence
+    from services.stopping import StopChecker
+
+    seq = Sequence(0, "r", [1, 2, 3], SamplingParams(), StopChecker((), 16, [], False, 64))
+    seq.output_ids = [4, 5]
+    assert seq.last_ids(4) == [2, 3, 4, 5]
+    assert seq.last_ids(1) == [5]
+    assert seq.last_ids(10) == [1, 2, 3, 4, 5]
