@@ -34,6 +34,8 @@ from drafter_actor.messages import HISTORY_TOKENS, Proposal
 
 from .spec_policy import Acceptance, LinearCost
 
+WINDOW = HISTORY_TOKENS + 1  # the ids a match is searched in: the history, then the anchor
+
 
 @dataclass(frozen=True)
 class CopyCandidate:
@@ -45,11 +47,12 @@ class CopyCandidate:
 def find_candidate(
     row: int, token_ids: list[int], limit: int, sampled: bool
 ) -> CopyCandidate | None:
-    """The sure copy for a sequence whose committed ids are ``token_ids`` (the last one is
-    the round's anchor), at most ``limit`` tokens; None without a match of ``MIN_NGRAM``."""
+    """The sure copy for a sequence whose last committed ids are ``token_ids`` (at least
+    its last ``WINDOW``; the last one is the round's anchor), at most ``limit`` tokens;
+    None without a match of ``MIN_NGRAM``."""
     if limit < 1 or len(token_ids) < 2:
         return None
-    history = torch.tensor(token_ids[-HISTORY_TOKENS - 1 : -1], dtype=torch.long)
+    history = torch.tensor(token_ids[-WINDOW:-1], dtype=torch.long)
     copy, n = find_copy(history, token_ids[-1], limit)
     if n < MIN_NGRAM:
         return None
@@ -120,4 +123,4 @@ def copy_proposal(drafted: list[CopyCandidate], batch: int) -> tuple[list[int], 
     return num_draft, Proposal(tokens, q_ids, q_probs)
 
 
-__all__ = ["CopyCandidate", "CopyPlanner", "copy_proposal", "find_candidate"]
+__all__ = ["WINDOW", "CopyCandidate", "CopyPlanner", "copy_proposal", "find_candidate"]

@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from drafter_actor.messages import HISTORY_TOKENS, DraftRequest, scatter_proposal
+from drafter_actor.messages import DraftRequest, scatter_proposal
 from target_actor.batch import PrefillBatch, SeqSampling, StepResult, VerifyBatch
 from target_actor.config import TargetConfigError
 
-from .copy_drafts import CopyPlanner, copy_proposal, find_candidate
+from .copy_drafts import WINDOW, CopyPlanner, copy_proposal, find_candidate
 from .metrics import EngineStats
 from .sampling import InvalidRequest, SamplingParams
 from .scheduler import Scheduler
@@ -218,8 +218,7 @@ class Engine:
             if self._keeps_k(s):
                 continue
             limit = self._draft_limit(s, self.config.k)
-            ids = s.last_ids(HISTORY_TOKENS + 1)
-            c = find_candidate(i, ids, limit, s.params.temperature > 0)
+            c = find_candidate(i, s.last_ids(WINDOW), limit, s.params.temperature > 0)
             if c is not None:
                 candidates.append(c)
         plan = self.copier.plan(candidates, len(running), self.policy.verify)
