@@ -135,8 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-prompts",
         type=int,
         default=0,
-        help="with --responses sharegpt: leave out the first N prompts of the seeded order "
-        "(the regenerated set's)",
+        help="leave out the first N prompts of the seeded order (another set's)",
+    )
+    tdata.add_argument(
+        "--focus",
+        default=None,
+        help="only prompts of these kinds, interleaved: comma-separated from "
+        "translation, summarisation, math, qa, code (with --responses target)",
     )
     tdrafter = train_sub.add_parser(
         "drafter", help="train the LongSpark drafter on regenerated data"
@@ -289,22 +294,25 @@ def _cmd_data(args: argparse.Namespace) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> None:
     if args.train_command == "data":
+        from .prompt_focus import parse_kinds
         from .train_data import TrainDataError, generate_training_data
         from .train_replies import build_reply_data
 
         common = dict(max_tokens=args.max_tokens, target=args.target, seed=args.seed)
         if args.responses == "sharegpt":
+            if args.focus:
+                raise TrainDataError("--focus applies only to --responses target")
             manifest = build_reply_data(
                 args.out, args.num_prompts, skip_prompts=args.skip_prompts, **common
             )
-        elif args.skip_prompts:
-            raise TrainDataError("--skip-prompts applies only to --responses sharegpt")
         else:
             manifest = generate_training_data(
                 args.out,
                 args.num_prompts,
                 temperature=args.temperature,
                 batch_size=args.batch_size,
+                skip_prompts=args.skip_prompts,
+                focus=parse_kinds(args.focus) if args.focus else None,
                 **common,
             )
         print(json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=2))

@@ -32,6 +32,7 @@ from typing import Any
 from drafter_actor.training.config import TrainError
 from drafter_actor.training.data import read_manifest
 
+from .prompt_focus import focus_pool
 from .prompts import SHAREGPT, Prompt, PromptSetError, load_prompts
 
 SHARD_SIZE = 64
@@ -40,7 +41,9 @@ FORMAT_VERSION = 1
 FINISH_REASONS = ("stop", "length")
 # settings a resumed run must share with the manifest
 SETTING_KEYS = ("format", "model", "source", "chat_template", "temperature", "top_p", "top_k")
-SETTING_KEYS += ("max_tokens", "seed", "max_prompt_tokens")
+SETTING_KEYS += ("max_tokens", "seed", "max_prompt_tokens", "skip_prompts", "focus")
+# what a manifest written before a setting existed means by leaving it out
+_LEGACY_SETTINGS = {"skip_prompts": 0, "focus": None}
 
 
 class TrainDataError(RuntimeError):
@@ -65,11 +68,15 @@ def generate_training_data(
     seed: int = 0,
     progress: bool = True,
     prompts: list[Prompt] | None = None,
+    skip_prompts: int = 0,
+    focus: list[str] | None = None,
 ) -> dict[str, Any]:
     """Generate (or resume) ``num_prompts`` records in ``out_dir``; returns the manifest.
 
     ``prompts`` replaces the ShareGPT training set (tests, other sources); ``target`` is a
-    local Hugging Face folder, ``None`` the default model.
+    local Hugging Face folder, ``None`` the default model. ``skip_prompts`` leaves out the
+    first prompts of the seeded order (another set's); ``focus`` keeps only the prompts of
+    those kinds (``services.prompt_focus``), interleaved.
     """
     from target_actor.checkpoint import ModelFetchError, resolve_target
 
@@ -77,6 +84,8 @@ def generate_training_data(
     from .sampling import InvalidRequest, SamplingParams
 
     check_positive(num_prompts=num_prompts, max_tokens=max_tokens, batch_size=batch_size)
+    if not isinstance(skip_prompts, int) or isinstance(skip_prompts, bool) or skip_prompts < 0:
+        raise TrainDataError(f"skip_prompts must be >= 0, got {skip_prompts!r}")
     try:
         SamplingParams(max_tokens=max_tokens, temperature=temperature)
         path = resolve_target(target)
@@ -94,6 +103,8 @@ def generate_training_data(
         "max_tokens": max_tokens,
         "seed": seed,
         "max_prompt_tokens": MAX_PROMPT_TOKENS,
+        "skip_prompts": skip_prompts,
+        "focus": list(focus) if focus else None,
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,6 +125,9 @@ def generate_training_data(
         except PromptSetError as exc:
             raise TrainDataError(str(exc)) from exc
         random.Random(seed).shuffle(pool)
+        pool = pool[skip_prompts:]
+        if focus:
+            pool = focus_pool(pool, focus)
 
         engine, close = build_engine(
             EngineOptions(mode="ar", target=str(path), max_num_seqs=batch_size, seed=seed)
@@ -324,10 +338,10 @@ def _read_manifest(root: Path) -> dict[str, Any]:
 
 def _check_settings(out: Path, old: dict, new: dict) -> None:
     for key in SETTING_KEYS:
-        if old.get(key) != new[key]:
+        was = old.get(key, _LEGACY_SETTINGS.get(key))
+        if was != new[key]:
             raise TrainDataError(
-                f"{out} was generated with {key}={old.get(key)!r}, not {new[key]!r}; "
-                "use another out_dir"
+                f"{out} was generated with {key}={was!r}, not {new[key]!r}; use another out_dir"
             )
 
 
