@@ -149,21 +149,25 @@ def read_sequences(
     spec: str, vocab_size: int, max_len: int, eos_ids: tuple[int, ...] | list[int] = ()
 ) -> list[Sequence]:
     """The training sequences (with at least one anchor) of every folder in ``spec``, in
-    order; ``eos_ids`` is used where a manifest does not name the EOS."""
-    seqs, seen = [], set()
+    order; ``eos_ids`` is used where a manifest does not name the EOS.
+
+    A prompt may be in one target-written folder and one of other text (ShareGPT's reply
+    to a prompt the target also answered): the target's answer is kept. Any other id
+    seen twice is an error."""
+    by_id: dict[str, Sequence] = {}
     for folder in data_folders(spec):
         manifest = read_manifest(folder)
         by_target = written_by_target(manifest)
         eos_list = manifest.get("eos_token_ids") or list(eos_ids)
         eos = int(eos_list[0]) if eos_list else None
         for rec in read_records(folder, vocab_size):
-            if rec.id in seen:
-                raise TrainError(f"{folder}: record id {rec.id!r} is also in another folder")
-            seen.add(rec.id)
             seq = to_sequence(rec, max_len, eos, target_labels=not by_target)
-            if seq.num_anchors > 0:
-                seqs.append(seq)
-    return seqs
+            old = by_id.get(rec.id)
+            if old is not None and old.target_labels == seq.target_labels:
+                raise TrainError(f"{folder}: record id {rec.id!r} is also in another folder")
+            if old is None or old.target_labels:  # new, or the target's answer replaces
+                by_id[rec.id] = seq
+    return [seq for seq in by_id.values() if seq.num_anchors > 0]
 
 
 def split_holdout(ids: list[str], num: int) -> tuple[list[str], list[str]]:

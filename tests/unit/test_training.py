@@ -723,3 +723,26 @@ def test_training_on_target_text_and_other_text_together(target_dir, runner, dat
 def test_a_record_id_in_two_data_folders_is_a_one_line_error(target_dir, data_dir, tmp_path):
     cfg = small_config(f"{data_dir},{data_dir}", tmp_path / "dup", target=str(target_dir))
     assert "also in another folder" in one_line_error(lambda: train_drafter(cfg))
+
+
+def test_the_targets_answer_replaces_a_reply_to_the_same_prompt(runner, tmp_path):
+    from drafter_actor.training.data import read_sequences
+
+    own = greedy_records(runner, 3, 20, seed=5)
+    replies = [dataclasses.replace(r, id=own[i].id) for i, r in enumerate(reply_records(runner, 2))]
+    replies.append(dataclasses.replace(replies[0], id="reply-only"))
+    write_data(tmp_path / "own", own)
+    write_data(tmp_path / "replies", replies)
+    manifest = json.loads((tmp_path / "replies" / "manifest.json").read_text())
+    (tmp_path / "replies" / "manifest.json").write_text(
+        json.dumps({**manifest, "responses": "sharegpt"})
+    )
+    for spec in (f"{tmp_path}/own,{tmp_path}/replies", f"{tmp_path}/replies,{tmp_path}/own"):
+        seqs = {s.id: s for s in read_sequences(spec, VOCAB, 128)}
+        assert sorted(seqs) == sorted([r.id for r in own] + ["reply-only"])
+        for r in own:  # the target's own text, with its recorded labels
+            assert not seqs[r.id].target_labels
+            assert seqs[r.id].tokens[seqs[r.id].prompt_len :][: len(r.response_ids)] == list(
+                r.response_ids
+            )
+        assert seqs["reply-only"].target_labels
