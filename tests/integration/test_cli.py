@@ -130,8 +130,13 @@ def test_prompt_longer_than_context(tmp_path, smollm2_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--skip-prompts", "5"], "applies only to --responses sharegpt"),
+        (["--skip-prompts", "-3"], "skip_prompts must be >= 0"),
         (["--responses", "sharegpt", "--skip-prompts", "-1"], "skip_prompts must be >= 0"),
+        (["--focus", "qa,poetry"], "unknown prompt kind poetry; choose from"),
+        (
+            ["--responses", "sharegpt", "--focus", "qa"],
+            "--focus applies only to --responses target",
+        ),
         (["--responses", "web"], "invalid choice"),
     ],
 )
