@@ -84,8 +84,7 @@ def generate_training_data(
     from .sampling import InvalidRequest, SamplingParams
 
     check_positive(num_prompts=num_prompts, max_tokens=max_tokens, batch_size=batch_size)
-    if not isinstance(skip_prompts, int) or isinstance(skip_prompts, bool) or skip_prompts < 0:
-        raise TrainDataError(f"skip_prompts must be >= 0, got {skip_prompts!r}")
+    check_skip(skip_prompts)
     try:
         SamplingParams(max_tokens=max_tokens, temperature=temperature)
         path = resolve_target(target)
@@ -157,6 +156,12 @@ def check_positive(**values: Any) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise TrainDataError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_skip(skip_prompts: Any) -> None:
+    """``TrainDataError`` unless ``skip_prompts`` is an integer >= 0."""
+    if not isinstance(skip_prompts, int) or isinstance(skip_prompts, bool) or skip_prompts < 0:
+        raise TrainDataError(f"skip_prompts must be >= 0, got {skip_prompts!r}")
 
 
 def _plan(

@@ -34,6 +34,7 @@ from .train_data import (
     _read_manifest,
     _write_manifest,
     check_positive,
+    check_skip,
 )
 
 
@@ -58,8 +59,7 @@ def build_reply_data(
     from .tokenizer import Tokenizer
 
     check_positive(num_prompts=num_prompts, max_tokens=max_tokens)
-    if not isinstance(skip_prompts, int) or skip_prompts < 0:
-        raise TrainDataError(f"skip_prompts must be >= 0, got {skip_prompts!r}")
+    check_skip(skip_prompts)
     try:
         path = resolve_target(target)
         pool = load_prompts("sharegpt") if prompts is None else list(prompts)
