@@ -17,7 +17,7 @@ import torch
 from ..markov import sample_block
 from ..network import DrafterNetwork
 from .target_pass import TargetPass
-from .views import Anchors, Batch, block_logits, build_views
+from .views import Anchors, AnchorViews, Batch, block_logits, build_views
 
 
 def greedy_drafts(
@@ -38,15 +38,22 @@ def draft_verify(
     anchors: Anchors,
     k: int,
     chunk: int = 32,
+    first: tuple[AnchorViews, torch.Tensor] | None = None,
 ) -> tuple[Anchors, torch.Tensor, torch.Tensor, dict[str, float]]:
     """The detached first round at every anchor: shifted anchors and their carry rows.
+
+    ``first``: the first draft's views and base logits when the caller already has them
+    (it trains on them too); they are used detached here.
 
     Returns the shifted ``Anchors``, carry rows ``[B, A, k, L, d]`` with their mask
     ``[B, A, k]`` (for ``build_views``), and the first draft's mean accepted count.
     """
     with torch.no_grad():
-        views = build_views(net, batch, anchors, chunk)
-        base = block_logits(net, views, batch, k)
+        if first is None:
+            views = build_views(net, batch, anchors, chunk)
+            base = block_logits(net, views, batch, k)
+        else:
+            views, base = first[0], first[1].detach()
         drafts = greedy_drafts(net, base, batch.tokens[views.seq, views.pos])  # [N, k]
     N = len(views.pos)
     accepted = torch.zeros(N, dtype=torch.long)

@@ -89,6 +89,11 @@ class TrainConfig:
     # -- Carryover --------------------------------------------------------------------
     carryover: bool = _f(False, "Carryover stage: draft-verify-draft with rejected states")
     init_from: str | None = _f(None, "baseline drafter folder the Carryover stage continues")
+    carryover_first_weight: float = _f(
+        0.0,
+        "Carryover: weight of the first draft's own block loss at the original anchors "
+        "(0 = the paper: gradients through the second draft only)",
+    )
 
     def __post_init__(self) -> None:
         if not self.data_dir:
@@ -118,6 +123,10 @@ class TrainConfig:
             raise TrainError("loss weights must be >= 0")
         if self.base_loss_weight + self.markov_loss_weight == 0:
             raise TrainError("at least one loss weight must be > 0")
+        if self.carryover_first_weight < 0:
+            raise TrainError("carryover_first_weight must be >= 0")
+        if self.carryover_first_weight > 0 and not self.carryover:
+            raise TrainError("carryover_first_weight needs the Carryover stage (--carryover)")
         if self.carryover and not self.init_from and not self.resume:
             raise TrainError("the Carryover stage continues a baseline drafter: set init_from")
 
@@ -125,11 +134,15 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def differences(self, saved: dict[str, Any]) -> list[str]:
-        """Fields (other than the resumable ones) whose value differs from ``saved``."""
+        """Fields (other than the resumable ones) whose value differs from ``saved``.
+
+        A field missing from ``saved`` (written before the field existed) counts as its default.
+        """
         return [
-            f"{f.name} {saved.get(f.name)!r}->{getattr(self, f.name)!r}"
+            f"{f.name} {saved.get(f.name, f.default)!r}->{getattr(self, f.name)!r}"
             for f in dataclasses.fields(self)
-            if f.name not in RESUMABLE_CHANGES and saved.get(f.name) != getattr(self, f.name)
+            if f.name not in RESUMABLE_CHANGES
+            and saved.get(f.name, f.default) != getattr(self, f.name)
         ]
 
 

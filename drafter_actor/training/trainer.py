@@ -44,7 +44,15 @@ from .data import Sequence, draft_vocabulary, read_sequences, split_holdout
 from .objective import BlockStats, block_loss
 from .tap_cache import build_tap_cache
 from .target_pass import TargetPass
-from .views import Anchors, Batch, block_labels, block_logits, build_views, sample_anchors
+from .views import (
+    Anchors,
+    AnchorViews,
+    Batch,
+    block_labels,
+    block_logits,
+    build_views,
+    sample_anchors,
+)
 
 log = logging.getLogger("longspark.train")
 
@@ -207,15 +215,30 @@ class Trainer:
     def loss(self, batch: Batch, anchors: Anchors) -> tuple[torch.Tensor, BlockStats, dict]:
         cfg = self.cfg
         extra: dict[str, Any] = {}
-        carry = carry_mask = None
+        carry = carry_mask = first = None
+        first_loss = torch.zeros(())
         if cfg.carryover:
-            anchors, carry, carry_mask, extra = draft_verify(
-                self.net, self.target, batch, anchors, cfg.k, cfg.summary_chunk
+            if cfg.carryover_first_weight > 0:  # the first draft learns at its anchors too
+                views = build_views(self.net, batch, anchors, cfg.summary_chunk)
+                first = (views, block_logits(self.net, views, batch, cfg.k))
+                first_loss, first_stats = self._block_loss(batch, views, first[1])
+                extra["first_loss"] = first_loss.item()
+                extra["first_tau"] = round(first_stats.tau, 4)
+            anchors, carry, carry_mask, verified = draft_verify(
+                self.net, self.target, batch, anchors, cfg.k, cfg.summary_chunk, first
             )
+            extra.update(verified)
         views = build_views(self.net, batch, anchors, cfg.summary_chunk, carry, carry_mask)
-        base = block_logits(self.net, views, batch, cfg.k)
+        loss, stats = self._block_loss(batch, views, block_logits(self.net, views, batch, cfg.k))
+        loss = loss + cfg.carryover_first_weight * first_loss
+        return loss, stats, {"anchors": len(views.pos), **extra}
+
+    def _block_loss(
+        self, batch: Batch, views: AnchorViews, base: torch.Tensor
+    ) -> tuple[torch.Tensor, BlockStats]:
+        cfg = self.cfg
         labels, valid = block_labels(batch, views, cfg.k)
-        loss, stats = block_loss(
+        return block_loss(
             self.net,
             base,
             batch.tokens[views.seq, views.pos],
@@ -225,7 +248,6 @@ class Trainer:
             cfg.base_loss_weight,
             cfg.markov_loss_weight,
         )
-        return loss, stats, {"anchors": len(views.pos), **extra}
 
     # -- the loop ----------------------------------------------------------------------
 

@@ -510,6 +510,21 @@ def test_carryover_stage_continues_the_baseline(target_dir, data_dir, trained, t
     assert not torch.equal(base["carry_embedding"], after["carry_embedding"])  # E_carry trains
 
 
+def test_carryover_first_weight_trains_the_first_draft_too(target_dir, data_dir, trained, tmp_path):
+    """With ``carryover_first_weight`` the first draft's loss is the plain stage's loss."""
+    common = dict(target=str(target_dir), init_from=str(trained), steps=1)
+    common["cache_dir"] = str(trained / "tap_cache")
+    train_drafter(small_config(data_dir, tmp_path / "plain", **common))
+    carry = small_config(
+        data_dir, tmp_path / "carry", carryover=True, carryover_first_weight=0.5, **common
+    )
+    train_drafter(carry)
+    plain_row, carry_row = read_log(tmp_path / "plain")[0], read_log(tmp_path / "carry")[0]
+    assert carry_row["first_loss"] == pytest.approx(plain_row["loss"], rel=1e-5)
+    assert carry_row["first_tau"] == pytest.approx(plain_row["tau"])
+    assert carry_row["loss"] > 0.5 * carry_row["first_loss"]  # plus the second draft's
+
+
 def test_evaluate_tau_on_held_out_sequences(trained, data_dir, target_dir):
     result = evaluate_tau(trained, data_dir, num_seqs=4, k=4)
     assert result["num_seqs"] == 4 and result["num_anchors"] > 0 and result["k"] == 4
@@ -557,6 +572,9 @@ def test_bad_data_folders_are_one_line_errors(target_dir, data_dir, tmp_path):
     assert "init_from" in one_line_error(
         lambda: TrainConfig(data_dir=str(data_dir), out=str(tmp_path), carryover=True)
     )
+    for weight, carry in ((-1.0, True), (1.0, False)):
+        bad = dict(carryover=carry, init_from="x", carryover_first_weight=weight)
+        assert "carryover" in one_line_error(lambda b=bad: TrainConfig("d", str(tmp_path), **b))
 
 
 def test_request_of_unknown_sequence_is_still_refused(trained, target_dir):
