@@ -42,11 +42,13 @@ def eval_acceptance(
     try:
         prompts = benchmark_mix(per_category, seed)
         ids = [engine.tok.encode_chat([{"role": "user", "content": p.prompt}]) for p in prompts]
+        cfg = engine.drafter.cfg
         report: dict[str, Any] = {
             "drafter": engine.config.drafter_name,
             "k": engine.config.k,
-            "carry": carry,
-            "context_copy": context_copy,
+            # the flags in effect: True arguments keep the checkpoint's own flags
+            "carry": bool(cfg.carry),
+            "context_copy": bool(cfg.context_copy),
             "per_category": per_category,
             "max_tokens": max_tokens,
         }
