@@ -335,8 +335,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
         print(json.dumps(report, indent=2))
     else:
         from drafter_actor.training import train_drafter
+        from drafter_actor.training.allocator import keep_freed_memory
         from drafter_actor.training.config import from_args
 
+        keep_freed_memory()  # this process only trains: 35% faster steps (allocator.py)
         print(train_drafter(from_args(args)))
 
 
