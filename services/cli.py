@@ -180,6 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--json", action="store_true", help="print JSON only")
     acc.add_argument("--target", default=None)
 
+    off = ev_sub.add_parser(
+        "offline", help="greedy tau on recorded target answers (training data), no engine"
+    )
+    off.add_argument("--drafter", default=None, help="drafter folder (default: shipped)")
+    off.add_argument("--data", required=True, help="data folder(s), comma-separated")
+    off.add_argument("--num-seqs", type=_positive_int, default=32, help="held-out records")
+    off.add_argument("--k", type=_positive_int, default=None)
+    off.add_argument("--cache-dir", default=None, help="tap cache (default: the run's)")
+    off.add_argument("--target", default=None)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_Parser)
     dec = bench_sub.add_parser("decode", help="plain decoding tokens/s vs transformers generate")
@@ -343,6 +353,8 @@ def _cmd_train(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
+    if args.eval_command == "offline":
+        return _cmd_eval_offline(args)
     from .eval_acceptance import eval_acceptance
 
     temps = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
@@ -357,6 +369,19 @@ def _cmd_eval(args: argparse.Namespace) -> None:
         context_copy=not args.no_copy,
     )
     print(json.dumps(report, indent=None if args.json else 2))
+
+
+def _cmd_eval_offline(args: argparse.Namespace) -> None:
+    from drafter_actor.training import evaluate_tau
+    from target_actor.checkpoint import resolve_target
+
+    from .backends import shipped_drafter
+
+    drafter = args.drafter or shipped_drafter(resolve_target(args.target))
+    if drafter is None:
+        raise ValueError("no drafter is shipped for this target: pass --drafter")
+    report = evaluate_tau(drafter, args.data, args.num_seqs, args.k, args.target, args.cache_dir)
+    print(json.dumps(report))
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:

@@ -50,6 +50,11 @@ class TrainConfig:
     markov_rank: int = _f(64, "r: rank of the Markov head")
     mlp_width: int = _f(0, "drafter MLP width (0 = target intermediate_size // 2)")
     draft_vocab: int = _f(8192, "reduced draft vocabulary size, by response frequency (0 = full)")
+    revocab: bool = _f(
+        False,
+        "with init_from: re-pick the draft vocabulary (the draft_vocab most frequent response "
+        "tokens of this data); the Markov head keeps the rows of tokens in both",
+    )
     init_std: float = _f(0.02, "std of the random initial weights")
     boundary_input: bool = _f(
         False, "also feed the boundary state into the block rows (added to init_from drafters)"
@@ -127,6 +132,8 @@ class TrainConfig:
             raise TrainError("carryover_first_weight must be >= 0")
         if self.carryover_first_weight > 0 and not self.carryover:
             raise TrainError("carryover_first_weight needs the Carryover stage (--carryover)")
+        if self.revocab and not self.init_from:
+            raise TrainError("revocab re-picks an init_from drafter's vocabulary: set init_from")
         if self.carryover and not self.init_from and not self.resume:
             raise TrainError("the Carryover stage continues a baseline drafter: set init_from")
 

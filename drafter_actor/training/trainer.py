@@ -42,6 +42,7 @@ from .checkpoint import (
 from .config import TrainConfig, TrainError
 from .data import Sequence, draft_vocabulary, read_sequences, split_holdout
 from .objective import BlockStats, block_loss
+from .revocab import remap_draft_vocab
 from .tap_cache import build_tap_cache
 from .target_pass import TargetPass
 from .views import (
@@ -156,6 +157,12 @@ class Trainer:
                 copy_input=saved[0].copy_input or cfg.copy_input,
             )
             d2t = saved[1]["d2t"]
+            if cfg.revocab and self.resume_from is None:  # a resumed run keeps its own d2t
+                own = [s for s in self.train_seqs if not s.target_labels] or self.train_seqs
+                eos = tuple(t.eos_token_ids)
+                d2t = draft_vocabulary(own, cfg.draft_vocab, t.vocab_size, eos)[0]
+                saved = (saved[0], remap_draft_vocab(saved[1], d2t))
+                dcfg = dataclasses.replace(dcfg, draft_vocab_size=len(d2t))
             coverage = _coverage(self.train_seqs, d2t)
         else:
             eos = tuple(t.eos_token_ids)

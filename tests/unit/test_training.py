@@ -18,7 +18,9 @@ from drafter_actor.summary import build_prefill_views, build_round_update, updat
 from drafter_actor.training import TrainConfig, TrainError, evaluate_tau, train_drafter
 from drafter_actor.training.carryover import greedy_drafts, shift_anchors
 from drafter_actor.training.data import Record, Sequence, draft_vocabulary, to_sequence
+from drafter_actor.training.evaluate import _walk
 from drafter_actor.training.objective import block_loss, slot_weights
+from drafter_actor.training.revocab import remap_draft_vocab
 from drafter_actor.training.target_pass import TargetPass
 from drafter_actor.training.views import (
     Anchors,
@@ -487,6 +489,41 @@ def test_an_added_input_extends_a_trained_drafter(
     assert proposal.tokens.shape == (0, 4)
 
 
+def test_revocab_moves_the_markov_rows_onto_the_new_vocabulary(trained):
+    weights = load_file(str(trained / "model.safetensors"))
+    old = weights["d2t"]
+    unused = [t for t in range(VOCAB) if t not in set(old.tolist())]
+    new = torch.tensor(sorted(set(old[::2].tolist()) | set(unused[:7])))  # half kept, 7 new
+    moved = remap_draft_vocab(weights, new)
+    assert torch.equal(moved["d2t"], new) and moved["markov.w1"].shape[0] == len(new) + 1
+    for j, t in enumerate(new.tolist()):
+        i = (old == t).nonzero()
+        if len(i):  # kept: the learned row and column
+            assert torch.equal(moved["markov.w1"][j], weights["markov.w1"][int(i)])
+            assert torch.equal(moved["markov.w2"][:, j], weights["markov.w2"][:, int(i)])
+        else:  # new: no correction yet
+            assert not moved["markov.w1"][j].any() and not moved["markov.w2"][:, j].any()
+    assert torch.equal(moved["markov.w1"][-1], weights["markov.w1"][-1])  # out of vocabulary
+    back = remap_draft_vocab(remap_draft_vocab(weights, torch.arange(VOCAB)), old)
+    assert all(torch.equal(back[n], weights[n]) for n in ("d2t", "markov.w1", "markov.w2"))
+
+
+def test_revocab_continues_a_drafter_on_the_data_s_own_vocabulary(
+    target_dir, data_dir, trained, tmp_path
+):
+    out = tmp_path / "revocab"
+    kw = dict(target=str(target_dir), init_from=str(trained), steps=2, revocab=True)
+    train_drafter(
+        small_config(data_dir, out, draft_vocab=64, **kw, cache_dir=str(trained / "tap_cache"))
+    )
+    drafter = Drafter.from_pretrained(out, target_dir)
+    assert drafter.cfg.draft_vocab_size == 64 and len(drafter.net.d2t) == 64
+    before = json.loads((trained / "train_config.json").read_text())["draft_vocab_coverage"]
+    after = json.loads((out / "train_config.json").read_text())["draft_vocab_coverage"]
+    assert after >= before  # the most frequent tokens of this data: never fewer covered
+    assert drafter.propose([], 4).tokens.shape == (0, 4)
+
+
 def test_carryover_stage_continues_the_baseline(target_dir, data_dir, trained, tmp_path):
     out = tmp_path / "carry"
     cfg = small_config(
@@ -528,11 +565,19 @@ def test_carryover_first_weight_trains_the_first_draft_too(target_dir, data_dir,
 def test_evaluate_tau_on_held_out_sequences(trained, data_dir, target_dir):
     result = evaluate_tau(trained, data_dir, num_seqs=4, k=4)
     assert result["num_seqs"] == 4 and result["num_anchors"] > 0 and result["k"] == 4
-    assert 1.0 <= result["tau"] <= 5.0
+    assert 1 <= result["tau_rounds"] <= result["tau"] <= 5  # rounds favour hard stretches
+    sampled = evaluate_tau(trained, data_dir, num_seqs=4, k=4, anchors_per_seq=8)
+    assert sampled["tau_rounds"] is None and sampled["num_anchors"] <= 4 * 8
     at_least = result["accepted_at_least"]
     assert all(x >= y for x, y in zip(at_least, at_least[1:], strict=False))
     held = json.loads((trained / "holdout_ids.json").read_text())
     assert len(held) == 4
+
+
+def test_the_round_walk_counts_rounds_as_greedy_decoding_does():
+    # anchors 0..9: accept 2 at 0 -> next anchor 3; 0 at 3 -> 4; 4 at 4 -> 9; 0 at 9
+    assert _walk([2, 9, 9, 0, 4, 9, 9, 9, 9, 0]) == (4, 6)
+    assert _walk([]) == (0, 0)
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -571,6 +616,9 @@ def test_bad_data_folders_are_one_line_errors(target_dir, data_dir, tmp_path):
     assert "unreadable" in one_line_error(run(broken))
     assert "init_from" in one_line_error(
         lambda: TrainConfig(data_dir=str(data_dir), out=str(tmp_path), carryover=True)
+    )
+    assert "init_from" in one_line_error(
+        lambda: TrainConfig(data_dir=str(data_dir), out=str(tmp_path), revocab=True)
     )
     for weight, carry in ((-1.0, True), (1.0, False)):
         bad = dict(carryover=carry, init_from="x", carryover_first_weight=weight)
