@@ -75,6 +75,9 @@ class DrafterConfig:
     boundary_input: bool = False  # also add the boundary state to every block row's input
     context_copy: bool = False  # draft recent n-gram continuations where sure (context_copy.py)
     copy_input: bool = False  # the network also reads the copy candidates in its MASK rows
+    # a context-copy match this long replaces the network's drafts (context_copy.py); a
+    # network that reads the copy inputs drafts better than short matches do
+    copy_sure_ngram: int = 2
 
     def __post_init__(self) -> None:
         t = self.target
@@ -86,7 +89,8 @@ class DrafterConfig:
             raise DrafterConfigError(
                 f"tap layer ids {self.tap_layer_ids} outside the target's 0..{t.num_layers - 1}"
             )
-        for name in ("mlp_width", "window", "summary_slots", "markov_rank", "block_size"):
+        names = ("mlp_width", "window", "summary_slots", "markov_rank", "block_size")
+        for name in names + ("copy_sure_ngram",):
             if getattr(self, name) < 1:
                 raise DrafterConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.draft_vocab_size <= t.vocab_size:

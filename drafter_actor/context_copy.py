@@ -5,10 +5,10 @@ Greedy text from a small target repeats itself (lists, code, loops) and copies i
 drafter looks for the most recent earlier occurrence of their longest suffix (up to
 ``MAX_NGRAM`` tokens) in the sequence's token history and proposes what followed it.
 
-A copy replaces the network's first slots when the match is long (``>= MIN_NGRAM``
-tokens), or when it is a single token and its first token equals the network's first
-draft (two independent guesses agree); the network's own drafts fill the slots after the
-copied ones. A copied slot's proposal ``q`` is one-hot on the copied token, so rejection
+A copy replaces the network's first slots when the match is long (at least the
+drafter's ``copy_sure_ngram`` tokens, ``MIN_NGRAM`` by default), or when its first token
+equals the network's first draft (two independent guesses agree); the network's own
+drafts fill the slots after the copied ones. A copied slot's proposal ``q`` is one-hot on the copied token, so rejection
 sampling stays exact at any temperature. A copy is always ``k`` tokens long (a copy that
 reaches the anchor repeats itself), so a sure copy replaces the whole block and the
 drafter skips the network's pass for that sequence.
@@ -24,7 +24,7 @@ import torch
 from .messages import HISTORY_TOKENS, Proposal
 
 MAX_NGRAM = 8  # the longest suffix matched
-MIN_NGRAM = 2  # a match this long is copied without the network's agreement
+MIN_NGRAM = 2  # a match this long is copied without the network's agreement (the default)
 
 
 def find_copy(history: torch.Tensor, anchor: int, k: int) -> tuple[list[int], int]:
@@ -56,9 +56,9 @@ def find_copy(history: torch.Tensor, anchor: int, k: int) -> tuple[list[int], in
     return [follow[j % len(follow)] for j in range(k)], best
 
 
-def is_sure(copy: list[int], n: int) -> bool:
+def is_sure(copy: list[int], n: int, sure_ngram: int = MIN_NGRAM) -> bool:
     """A match long enough to copy whatever the network drafts (it replaces every slot)."""
-    return bool(copy) and n >= MIN_NGRAM
+    return bool(copy) and n >= sure_ngram
 
 
 def copy_inputs(copies: list[tuple[list[int], int]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,13 +89,16 @@ def copies_in_text(
     return copy_inputs(copies, k)
 
 
-def apply_copies(proposal: Proposal, copies: list[tuple[list[int], int]]) -> tuple[Proposal, int]:
-    """``proposal`` with each row's first slots replaced by its copy where the rule allows,
-    and how many rows took a copy."""
+def apply_copies(
+    proposal: Proposal, copies: list[tuple[list[int], int]], sure_ngram: int = MIN_NGRAM
+) -> tuple[Proposal, int]:
+    """``proposal`` with each row's first slots replaced by its copy where the rule allows
+    (a match of ``sure_ngram`` tokens, or agreement on the first token), and how many rows
+    took a copy."""
     tokens, q_ids, q_probs = proposal.tokens, proposal.q_ids, proposal.q_probs
     changed = 0
     for i, (copy, n) in enumerate(copies):
-        if not (is_sure(copy, n) or (copy and copy[0] == int(tokens[i, 0]))):
+        if not (is_sure(copy, n, sure_ngram) or (copy and copy[0] == int(tokens[i, 0]))):
             continue
         if not changed:
             tokens, q_ids, q_probs = tokens.clone(), q_ids.clone(), q_probs.clone()

@@ -183,14 +183,15 @@ class Drafter:
             else [([], 0)] * len(states)
         )
         # a sure copy replaces every slot: those sequences skip the block pass
-        rows = [i for i, c in enumerate(copies) if not (copying and is_sure(*c))]
+        sure = self.cfg.copy_sure_ngram
+        rows = [i for i, c in enumerate(copies) if not (copying and is_sure(*c, sure))]
         part = self._draft(
             [states[i] for i in rows], [requests[i] for i in rows], k, [copies[i] for i in rows]
         )
         proposal = scatter_proposal(part, rows, len(requests))
         if not copying:
             return proposal
-        proposal, copied = apply_copies(proposal, copies)
+        proposal, copied = apply_copies(proposal, copies, sure)
         self.num_copied += copied
         return proposal
 

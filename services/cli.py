@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     texport.add_argument(
         "--no-context-copy", action="store_true", help="ship without context copy (ablation)"
     )
+    texport.add_argument(
+        "--copy-sure-ngram",
+        type=_positive_int,
+        default=None,
+        help="context-copy match length that replaces the network's drafts (default: kept)",
+    )
 
     ev = sub.add_parser("eval", help="evaluate a drafter")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
@@ -340,7 +346,12 @@ def _cmd_train(args: argparse.Namespace) -> None:
         from drafter_actor.training.export import export_drafter
 
         report = export_drafter(
-            args.drafter, args.out, args.dtype, args.step, not args.no_context_copy
+            args.drafter,
+            args.out,
+            args.dtype,
+            args.step,
+            not args.no_context_copy,
+            args.copy_sure_ngram,
         )
         print(json.dumps(report, indent=2))
     else:

@@ -31,14 +31,19 @@ def export_drafter(
     dtype: str = "bfloat16",
     step: int | None = None,
     context_copy: bool = True,
+    copy_sure_ngram: int | None = None,
 ) -> dict[str, Any]:
     """Write the drafter of ``run`` (its final weights, or checkpoint ``step``) to ``out``,
-    with context copy switched on (``context_copy``) as it is served."""
+    with context copy switched on (``context_copy``) as it is served; ``copy_sure_ngram``
+    (if given) sets the match length that replaces the network's drafts."""
     run = Path(run)
     src = run if step is None else _checkpoint(run, step)
     try:
         cfg, weights = saved_drafter(src)
-        save_drafter(out, dataclasses.replace(cfg, context_copy=context_copy), weights, dtype)
+        cfg = dataclasses.replace(cfg, context_copy=context_copy)
+        if copy_sure_ngram is not None:
+            cfg = dataclasses.replace(cfg, copy_sure_ngram=copy_sure_ngram)
+        save_drafter(out, cfg, weights, dtype)
     except (DrafterConfigError, OSError) as e:
         raise TrainError(f"cannot export {src}: {e}") from None
     info_path = run / TRAIN_CONFIG

@@ -68,3 +68,13 @@ def test_nothing_copied_returns_the_same_proposal():
     base = proposal([[1, 2]])
     out, copied = apply_copies(base, [([3], 1)])
     assert out is base and copied == 0
+
+
+def test_a_higher_sure_length_leaves_short_matches_to_the_network():
+    base = proposal([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]])
+    copies = [([40, 41, 42, 43], 3), ([60, 61, 62, 63], 4), ([9, 90, 91, 92], 2)]
+    out, copied = apply_copies(base, copies, sure_ngram=4)
+    assert copied == 2
+    assert torch.equal(out.tokens[0], base.tokens[0])  # 3 < 4 and no agreement: the network
+    assert out.tokens[1].tolist() == [60, 61, 62, 63]  # long enough
+    assert out.tokens[2].tolist() == [9, 90, 91, 92]  # short, but agrees with the network

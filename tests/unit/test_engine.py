@@ -84,12 +84,15 @@ def test_spec_greedy_equals_plain_with_random_drafter(tiny_checkpoints, carry):
     assert spec_engine.stats.spec.num_drafts > 0
 
 
-def test_spec_greedy_with_context_copy_equals_plain(tiny_checkpoints):
+@pytest.mark.parametrize("sure_ngram", [2, 5])
+def test_spec_greedy_with_context_copy_equals_plain(tiny_checkpoints, sure_ngram):
     path = tiny_checkpoints["llama"]
     ps = [p * 3 for p in prompts(6, 4)]  # repeated prompts: copies to find
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = make_engine(path).generate(ps, params)
-    drafter = random_drafter(path, k=4, context_copy=True, copy_input=True)
+    drafter = random_drafter(
+        path, k=4, context_copy=True, copy_input=True, copy_sure_ngram=sure_ngram
+    )
     spec_engine = make_engine(path, drafter)
     spec = spec_engine.generate(ps, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

@@ -693,8 +693,13 @@ def test_export_writes_drafter_weights_without_machine_paths(trained, target_dir
     b = shipped.net
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.allclose(x.float(), y.float(), rtol=1e-2, atol=1e-3), name
+    assert shipped.cfg.copy_sure_ngram == 2  # the default rule unless asked
+    tuned = export_drafter(trained, tmp_path / "tuned", copy_sure_ngram=4)["out"]
+    assert Drafter.from_pretrained(tuned, target_dir).cfg.copy_sure_ngram == 4
     with pytest.raises(TrainError, match="no checkpoint at step 7"):
         export_drafter(trained, tmp_path / "x", step=7)
+    with pytest.raises(TrainError, match="copy_sure_ngram"):
+        export_drafter(trained, tmp_path / "y", copy_sure_ngram=0)
 
 
 # -- text the target did not write: labels are its greedy next tokens -----------------------
