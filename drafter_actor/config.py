@@ -89,8 +89,8 @@ class DrafterConfig:
             raise DrafterConfigError(
                 f"tap layer ids {self.tap_layer_ids} outside the target's 0..{t.num_layers - 1}"
             )
-        names = ("mlp_width", "window", "summary_slots", "markov_rank", "block_size")
-        for name in names + ("copy_sure_ngram",):
+        positive = ("mlp_width", "window", "summary_slots", "markov_rank", "block_size")
+        for name in positive + ("copy_sure_ngram",):
             if getattr(self, name) < 1:
                 raise DrafterConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.draft_vocab_size <= t.vocab_size:

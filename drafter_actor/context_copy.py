@@ -8,8 +8,8 @@ drafter looks for the most recent earlier occurrence of their longest suffix (up
 A copy replaces the network's first slots when the match is long (at least the
 drafter's ``copy_sure_ngram`` tokens, ``MIN_NGRAM`` by default), or when its first token
 equals the network's first draft (two independent guesses agree); the network's own
-drafts fill the slots after the copied ones. A copied slot's proposal ``q`` is one-hot on the copied token, so rejection
-sampling stays exact at any temperature. A copy is always ``k`` tokens long (a copy that
+drafts fill the slots after the copied ones. A copied slot's proposal ``q`` is one-hot on
+the copied token, so rejection sampling stays exact at any temperature. A copy is always ``k`` tokens long (a copy that
 reaches the anchor repeats itself), so a sure copy replaces the whole block and the
 drafter skips the network's pass for that sequence.
 
