@@ -158,16 +158,12 @@ class Trainer:
             )
             d2t = saved[1]["d2t"]
             if cfg.revocab and self.resume_from is None:  # a resumed run keeps its own d2t
-                own = [s for s in self.train_seqs if not s.target_labels] or self.train_seqs
-                eos = tuple(t.eos_token_ids)
-                d2t = draft_vocabulary(own, cfg.draft_vocab, t.vocab_size, eos)[0]
+                d2t = self._pick_draft_vocab()[0]
                 saved = (saved[0], remap_draft_vocab(saved[1], d2t))
                 dcfg = dataclasses.replace(dcfg, draft_vocab_size=len(d2t))
             coverage = _coverage(self.train_seqs, d2t)
         else:
-            eos = tuple(t.eos_token_ids)
-            own = [s for s in self.train_seqs if not s.target_labels] or self.train_seqs
-            d2t, coverage = draft_vocabulary(own, cfg.draft_vocab, t.vocab_size, eos)
+            d2t, coverage = self._pick_draft_vocab()
             extra = {"mlp_width": cfg.mlp_width} if cfg.mlp_width else {}
             dcfg = DrafterConfig.for_target(
                 t,
@@ -198,6 +194,12 @@ class Trainer:
             net.init_random(cfg.seed, cfg.init_std)
         net.set_target_weights(*load_target_head(self.target_path, t), d2t)
         return net.train(), coverage
+
+    def _pick_draft_vocab(self) -> tuple[torch.Tensor, float]:
+        """The draft vocabulary (and its coverage) picked from the target-written sequences."""
+        t = self.target_cfg
+        own = [s for s in self.train_seqs if not s.target_labels] or self.train_seqs
+        return draft_vocabulary(own, self.cfg.draft_vocab, t.vocab_size, tuple(t.eos_token_ids))
 
     # -- data --------------------------------------------------------------------------
 
