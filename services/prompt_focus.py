@@ -33,8 +33,9 @@ _RULES: dict[str, re.Pattern[str]] = {
     ),
 }
 QA_MAX_WORDS = 25
-# the rarer kinds first: a prompt matching several rules counts for the rarest
-KINDS = ("translation", "summarisation", "math", "qa", "code")
+# the rarer kinds first: a prompt matching several rules counts for the rarest; "chat" is
+# every prompt no rule matches (open questions, writing, advice: what MT-Bench asks)
+KINDS = ("translation", "summarisation", "math", "qa", "code", "chat")
 
 
 class FocusError(ValueError):
@@ -52,16 +53,18 @@ def parse_kinds(spec: str) -> list[str]:
     return list(dict.fromkeys(kinds))
 
 
-def kind_of(text: str) -> str | None:
-    """The kind the rules give a prompt, or ``None`` (open chat and everything else)."""
+def kind_of(text: str) -> str:
+    """The kind the rules give a prompt; ``"chat"`` when no rule matches."""
     for kind in KINDS:
+        if kind == "chat":
+            break
         if kind == "qa":
             stripped = text.strip()
             if stripped.endswith("?") and len(stripped.split()) <= QA_MAX_WORDS:
                 return kind
         elif _RULES[kind].search(text):
             return kind
-    return None
+    return "chat"
 
 
 def focus_pool(pool: Sequence[Prompt], kinds: Iterable[str]) -> list[Prompt]:

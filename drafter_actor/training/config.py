@@ -42,6 +42,11 @@ class TrainConfig:
     max_len: int = _f(768, "tokens per sequence (prompt + response); longer ones are cut")
     max_seqs: int = _f(0, "use at most this many records (0 = all)")
     eval_seqs: int = _f(32, "records held out of training for evaluate_tau")
+    data_repeat: str = _f(
+        "",
+        "times each data folder's sequences enter an epoch, comma-separated in data_dir's "
+        "order (empty: once each); 1,1,3 visits a newly added third folder 3x as often",
+    )
 
     # -- the drafter ------------------------------------------------------------------
     num_taps: int = _f(4, "tapped target layers = drafter layers")
@@ -100,6 +105,24 @@ class TrainConfig:
         "(0 = the paper: gradients through the second draft only)",
     )
 
+    def repeats(self) -> tuple[int, ...]:
+        """``data_repeat`` as one count per data folder (``()``: once each)."""
+        if not self.data_repeat.strip():
+            return ()
+        try:
+            counts = tuple(int(c) for c in self.data_repeat.split(","))
+        except ValueError:
+            raise TrainError(
+                f"data_repeat {self.data_repeat!r}: not comma-separated integers"
+            ) from None
+        folders = [d for d in str(self.data_dir).split(",") if d.strip()]
+        if len(counts) != len(folders) or min(counts) < 1:
+            raise TrainError(
+                f"data_repeat {self.data_repeat!r}: one count >= 1 for each of the "
+                f"{len(folders)} data folders"
+            )
+        return counts
+
     def __post_init__(self) -> None:
         if not self.data_dir:
             raise TrainError("data_dir is required")
@@ -118,6 +141,7 @@ class TrainConfig:
         for name in ("max_seqs", "eval_seqs", "mlp_width", "draft_vocab", "ckpt_every"):
             if getattr(self, name) < 0:
                 raise TrainError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.repeats()  # checks the spelling
         if self.max_len < self.k + 2:
             raise TrainError(f"max_len={self.max_len} leaves no room for a block of k={self.k}")
         if not (self.lr > 0 and self.gamma > 0 and self.init_std > 0):

@@ -41,6 +41,7 @@ class Sequence:
     # the response is not the target's own text (e.g. ShareGPT's reply): the labels are
     # the target's greedy next tokens, not the recorded ones (``views.block_labels``)
     target_labels: bool = False
+    folder: int = 0  # index of its folder in the data_dir setting
 
     @property
     def num_anchors(self) -> int:
@@ -124,7 +125,7 @@ def _parse(line: str, vocab: int) -> tuple[Record | None, str]:
 
 
 def to_sequence(
-    rec: Record, max_len: int, eos: int | None, target_labels: bool = False
+    rec: Record, max_len: int, eos: int | None, target_labels: bool = False, folder: int = 0
 ) -> Sequence:
     """Prompt + response (+ EOS after a ``"stop"``), cut to ``max_len`` tokens."""
     response = list(rec.response_ids)
@@ -134,7 +135,7 @@ def to_sequence(
     keep = min(len(prompt), max(1, max_len - min(len(response), max_len // 2)))
     prompt = prompt[len(prompt) - keep :]
     tokens = (prompt + response)[:max_len]
-    return Sequence(rec.id, tokens, len(prompt), target_labels)
+    return Sequence(rec.id, tokens, len(prompt), target_labels, folder)
 
 
 def data_folders(spec: str) -> list[str]:
@@ -155,19 +156,29 @@ def read_sequences(
     to a prompt the target also answered): the target's answer is kept. Any other id
     seen twice is an error."""
     by_id: dict[str, Sequence] = {}
-    for folder in data_folders(spec):
+    for index, folder in enumerate(data_folders(spec)):
         manifest = read_manifest(folder)
         by_target = written_by_target(manifest)
         eos_list = manifest.get("eos_token_ids") or list(eos_ids)
         eos = int(eos_list[0]) if eos_list else None
         for rec in read_records(folder, vocab_size):
-            seq = to_sequence(rec, max_len, eos, target_labels=not by_target)
+            seq = to_sequence(rec, max_len, eos, target_labels=not by_target, folder=index)
             old = by_id.get(rec.id)
             if old is not None and old.target_labels == seq.target_labels:
                 raise TrainError(f"{folder}: record id {rec.id!r} is also in another folder")
             if old is None or old.target_labels:  # new, or the target's answer replaces
                 by_id[rec.id] = seq
     return [seq for seq in by_id.values() if seq.num_anchors > 0]
+
+
+def repeat_by_folder(seqs: list[Sequence], repeats: tuple[int, ...]) -> list[Sequence]:
+    """Each sequence ``repeats[seq.folder]`` times, in order (an epoch that visits a newly
+    added folder more often than the rest); ``()`` keeps every sequence once."""
+    if not repeats:
+        return list(seqs)
+    if any(s.folder >= len(repeats) for s in seqs):
+        raise TrainError(f"data_repeat names {len(repeats)} folders; the data has more")
+    return [s for s in seqs for _ in range(repeats[s.folder])]
 
 
 def split_holdout(ids: list[str], num: int) -> tuple[list[str], list[str]]:

