@@ -237,6 +237,22 @@ def test_no_benchmark_prompt_in_training(real_sets):
 
 
 @pytest.mark.slow
+def test_committed_training_data_comes_from_the_training_sets(real_sets):
+    """Every record of data/train answers a prompt of a training set, which the test above
+    keeps free of benchmark items."""
+    allowed = {p.id for name in P.TRAINING_SETS for p in real_sets[name]}
+    root = Path(__file__).resolve().parents[2] / "data" / "train"
+    ids = [
+        json.loads(line)["id"]
+        for shard in sorted(root.glob("*/shard-*.jsonl"))
+        for line in shard.read_text().splitlines()
+        if line.strip()
+    ]
+    assert len(ids) > 10000 and len(set(ids)) == len(ids)
+    assert [i for i in ids if i not in allowed] == []
+
+
+@pytest.mark.slow
 def test_benchmark_mix_is_seeded_and_balanced(real_sets):
     mix = P.benchmark_mix(10, seed=3)
     assert len(mix) == 60 and mix == P.benchmark_mix(10, seed=3)
