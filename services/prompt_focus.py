@@ -55,9 +55,7 @@ def parse_kinds(spec: str) -> list[str]:
 
 def kind_of(text: str) -> str:
     """The kind the rules give a prompt; ``"chat"`` when no rule matches."""
-    for kind in KINDS:
-        if kind == "chat":
-            break
+    for kind in KINDS[:-1]:  # every kind but "chat", which is what is left
         if kind == "qa":
             stripped = text.strip()
             if stripped.endswith("?") and len(stripped.split()) <= QA_MAX_WORDS:
