@@ -24,6 +24,14 @@ class TrainError(ValueError):
     """Bad training inputs or settings (one-line message)."""
 
 
+def data_folders(spec: str) -> list[str]:
+    """The folders of a ``data_dir`` setting: one path, or several separated by commas."""
+    folders = [d.strip() for d in str(spec).split(",") if d.strip()]
+    if not folders:
+        raise TrainError("no data folder given")
+    return folders
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -115,7 +123,7 @@ class TrainConfig:
             raise TrainError(
                 f"data_repeat {self.data_repeat!r}: not comma-separated integers"
             ) from None
-        folders = [d for d in str(self.data_dir).split(",") if d.strip()]
+        folders = data_folders(self.data_dir)
         if len(counts) != len(folders) or min(counts) < 1:
             raise TrainError(
                 f"data_repeat {self.data_repeat!r}: one count >= 1 for each of the "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainError
+from .config import TrainError, data_folders
 
 
 @dataclass(frozen=True)
@@ -136,14 +136,6 @@ def to_sequence(
     prompt = prompt[len(prompt) - keep :]
     tokens = (prompt + response)[:max_len]
     return Sequence(rec.id, tokens, len(prompt), target_labels, folder)
-
-
-def data_folders(spec: str) -> list[str]:
-    """The folders of a ``data_dir`` setting: one path, or several separated by commas."""
-    folders = [d.strip() for d in str(spec).split(",") if d.strip()]
-    if not folders:
-        raise TrainError("no data folder given")
-    return folders
 
 
 def read_sequences(
