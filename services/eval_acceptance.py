@@ -3,10 +3,16 @@
 Held-out prompts (never in training data) from the six categories, chat template applied,
 decoded by the engine in spec mode with the given drafter at each temperature; tau per
 category = 1 + accepted draft tokens / drafting rounds, over all its prompts.
+
+Prompts differ far more than rounds do (a translation that repeats its source accepts
+whole blocks, a one-line answer almost nothing), so each tau comes with its standard
+error over prompts (``se``): the ratio estimator's delta-method error, treating each
+prompt's (rounds, accepted) as one draw.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -59,19 +65,31 @@ def eval_acceptance(
                 for i in range(len(ids))
             ]
             outs = engine.generate(ids, params)
-            drafts: dict[str, list[int]] = {}
+            rounds: dict[str, list[tuple[int, int]]] = {"overall": []}
             for prompt, out in zip(prompts, outs, strict=True):
-                d = drafts.setdefault(prompt.category, [0, 0])
-                d[0] += out.stats.num_drafts
-                d[1] += out.stats.num_accepted_tokens
-            tau = {c: round(1 + a / n, 3) if n else None for c, (n, a) in drafts.items()}
-            total_n = sum(n for n, _ in drafts.values())
-            total_a = sum(a for _, a in drafts.values())
-            tau["overall"] = round(1 + total_a / total_n, 3) if total_n else None
+                pair = (out.stats.num_drafts, out.stats.num_accepted_tokens)
+                rounds.setdefault(prompt.category, []).append(pair)
+                rounds["overall"].append(pair)
+            rounds["overall"] = rounds.pop("overall")  # listed after the categories
             report[f"T={temperature:g}"] = {
-                "tau": tau,
+                "tau": {c: tau_of(pairs)[0] for c, pairs in rounds.items()},
+                "se": {c: tau_of(pairs)[1] for c, pairs in rounds.items()},
                 "seconds": round(time.perf_counter() - t0, 1),
             }
         return report
     finally:
         close()
+
+
+def tau_of(pairs: list[tuple[int, int]]) -> tuple[float | None, float | None]:
+    """tau = 1 + sum(accepted) / sum(rounds) over prompts' ``(rounds, accepted)``, and its
+    standard error over prompts (None for no rounds; 0 for a single prompt)."""
+    total_n = sum(n for n, _ in pairs)
+    if not total_n:
+        return None, None
+    r = sum(a for _, a in pairs) / total_n
+    m = len(pairs)
+    if m < 2:
+        return round(1 + r, 3), 0.0
+    var = sum((a - r * n) ** 2 for n, a in pairs) / (m - 1) * m
+    return round(1 + r, 3), round(math.sqrt(var) / total_n, 3)

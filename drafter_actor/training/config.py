@@ -60,8 +60,14 @@ class TrainConfig:
     num_taps: int = _f(4, "tapped target layers = drafter layers")
     window: int = _f(256, "W: recent K/V rows per tapped layer")
     summary_slots: int = _f(16, "R: summary queries per layer and head")
-    markov_rank: int = _f(64, "r: rank of the Markov head")
-    mlp_width: int = _f(0, "drafter MLP width (0 = target intermediate_size // 2)")
+    markov_rank: int = _f(
+        64, "r: rank of the Markov head (with init_from: a larger rank grows the head)"
+    )
+    mlp_width: int = _f(
+        0,
+        "drafter MLP width (0 = target intermediate_size // 2; with init_from: 0 keeps "
+        "the drafter's, a larger width grows every layer's MLP, starting as the same function)",
+    )
     draft_vocab: int = _f(8192, "reduced draft vocabulary size, by response frequency (0 = full)")
     revocab: bool = _f(
         False,

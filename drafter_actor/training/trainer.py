@@ -41,6 +41,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig, TrainError
 from .data import Sequence, draft_vocabulary, read_sequences, repeat_by_folder, split_holdout
+from .grow import grow_weights
 from .objective import BlockStats, block_loss
 from .revocab import remap_draft_vocab
 from .tap_cache import build_tap_cache
@@ -162,6 +163,12 @@ class Trainer:
                 d2t = self._pick_draft_vocab()[0]
                 saved = (saved[0], remap_draft_vocab(saved[1], d2t))
                 dcfg = dataclasses.replace(dcfg, draft_vocab_size=len(d2t))
+            if self.resume_from is None:  # a resumed run already has its widths
+                rank = max(cfg.markov_rank, dcfg.markov_rank)
+                dcfg, grown = grow_weights(
+                    dcfg, saved[1], cfg.mlp_width, rank, cfg.seed, cfg.init_std
+                )
+                saved = (saved[0], grown)
             coverage = _coverage(self.train_seqs, d2t)
         else:
             d2t, coverage = self._pick_draft_vocab()

@@ -16,6 +16,7 @@ def test_eval_reports_tau_per_category(smollm2_path):
         tau = report[key]["tau"]
         assert set(tau) == set(BENCHMARK_SETS) | {"overall"}
         assert all(v is None or 1.0 <= v <= 4.0 for v in tau.values())
+        assert set(report[key]["se"]) == set(tau)
 
 
 def test_eval_reports_the_flags_in_effect(smollm2_path):

@@ -17,8 +17,10 @@ from drafter_actor.messages import DraftRequest
 from drafter_actor.summary import build_prefill_views, build_round_update, update_summary
 from drafter_actor.training import TrainConfig, TrainError, evaluate_tau, train_drafter
 from drafter_actor.training.carryover import greedy_drafts, shift_anchors
+from drafter_actor.training.checkpoint import saved_drafter
 from drafter_actor.training.data import Record, Sequence, draft_vocabulary, to_sequence
 from drafter_actor.training.evaluate import _walk
+from drafter_actor.training.grow import grow_weights
 from drafter_actor.training.objective import block_loss, slot_weights
 from drafter_actor.training.revocab import remap_draft_vocab
 from drafter_actor.training.target_pass import TargetPass
@@ -521,6 +523,47 @@ def test_revocab_continues_a_drafter_on_the_data_s_own_vocabulary(
     before = json.loads((trained / "train_config.json").read_text())["draft_vocab_coverage"]
     after = json.loads((out / "train_config.json").read_text())["draft_vocab_coverage"]
     assert after >= before  # the most frequent tokens of this data: never fewer covered
+    assert drafter.propose([], 4).tokens.shape == (0, 4)
+
+
+def test_growing_the_mlp_and_markov_rank_keeps_the_drafter_s_logits(target_dir, runner, trained):
+    cfg, weights = saved_drafter(trained)
+    grown_cfg, grown = grow_weights(cfg, weights, 2 * cfg.mlp_width, cfg.markov_rank + 8, 3, 0.2)
+    assert grown_cfg.mlp_width == 2 * cfg.mlp_width and grown_cfg.markov_rank == cfg.markov_rank + 8
+    nets = []
+    for c, w in ((cfg, weights), (grown_cfg, grown)):
+        net = Drafter.random(target_dir, c, seed=0, d2t=w["d2t"]).net
+        net.load_state_dict(w)
+        nets.append(net.eval())
+    tpass = TargetPass(runner.model)
+    batch = Batch.collate([taps_of(tpass, list(range(3, 70)))])
+    anchors = Anchors.pad([torch.tensor([5, 20, 40, 60])])
+    prev = torch.arange(cfg.draft_vocab_size + 1)
+    with torch.no_grad():
+        logits = [block_logits(n, build_views(n, batch, anchors, 8), batch, 4) for n in nets]
+        bias = [n.markov(prev) for n in nets]
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+    assert torch.allclose(bias[0], bias[1], atol=1e-6)
+    with pytest.raises(TrainError, match="cannot shrink"):
+        grow_weights(cfg, weights, cfg.mlp_width - 1, 0, 3, 0.2)
+
+
+def test_training_from_a_drafter_with_a_wider_mlp(target_dir, data_dir, trained, tmp_path):
+    out = tmp_path / "wide"
+    base_cfg = saved_drafter(trained)[0]
+    kw = dict(target=str(target_dir), init_from=str(trained), steps=2)
+    train_drafter(
+        small_config(
+            data_dir,
+            out,
+            mlp_width=2 * base_cfg.mlp_width,
+            cache_dir=str(trained / "tap_cache"),
+            **kw,
+        )
+    )
+    drafter = Drafter.from_pretrained(out, target_dir)
+    assert drafter.cfg.mlp_width == 2 * base_cfg.mlp_width
+    assert drafter.net.layers[0].down.weight[:, base_cfg.mlp_width :].abs().sum() > 0  # it learns
     assert drafter.propose([], 4).tokens.shape == (0, 4)
 
 
