@@ -182,7 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--k", type=_positive_int, default=None)
     acc.add_argument("--no-carry", action="store_true")
     acc.add_argument("--no-copy", action="store_true", help="the network's drafts only")
-    acc.add_argument("--per-category", type=_positive_int, default=8)
+    acc.add_argument(
+        "--per-category",
+        type=_positive_int,
+        default=24,
+        help="held-out prompts per category (each tau comes with its standard error)",
+    )
     acc.add_argument("--max-tokens", type=_positive_int, default=128)
     acc.add_argument("--temperatures", default="0,1", help="comma-separated, e.g. 0,1")
     acc.add_argument("--json", action="store_true", help="print JSON only")

@@ -25,7 +25,7 @@ def eval_acceptance(
     drafter: str | None,
     k: int | None = None,
     carry: bool = True,
-    per_category: int = 8,
+    per_category: int = 24,
     max_tokens: int = 128,
     temperatures: tuple[float, ...] = (0.0, 1.0),
     batch_size: int = 8,
@@ -65,12 +65,11 @@ def eval_acceptance(
                 for i in range(len(ids))
             ]
             outs = engine.generate(ids, params)
-            rounds: dict[str, list[tuple[int, int]]] = {"overall": []}
+            rounds: dict[str, list[tuple[int, int]]] = {}  # (rounds, accepted) per prompt
             for prompt, out in zip(prompts, outs, strict=True):
                 pair = (out.stats.num_drafts, out.stats.num_accepted_tokens)
                 rounds.setdefault(prompt.category, []).append(pair)
-                rounds["overall"].append(pair)
-            rounds["overall"] = rounds.pop("overall")  # listed after the categories
+            rounds["overall"] = [pair for pairs in rounds.values() for pair in pairs]
             report[f"T={temperature:g}"] = {
                 "tau": {c: tau_of(pairs)[0] for c, pairs in rounds.items()},
                 "se": {c: tau_of(pairs)[1] for c, pairs in rounds.items()},
