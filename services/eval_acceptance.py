@@ -70,9 +70,10 @@ def eval_acceptance(
                 pair = (out.stats.num_drafts, out.stats.num_accepted_tokens)
                 rounds.setdefault(prompt.category, []).append(pair)
             rounds["overall"] = [pair for pairs in rounds.values() for pair in pairs]
+            taus = {c: tau_of(pairs) for c, pairs in rounds.items()}
             report[f"T={temperature:g}"] = {
-                "tau": {c: tau_of(pairs)[0] for c, pairs in rounds.items()},
-                "se": {c: tau_of(pairs)[1] for c, pairs in rounds.items()},
+                "tau": {c: tau for c, (tau, _) in taus.items()},
+                "se": {c: se for c, (_, se) in taus.items()},
                 "seconds": round(time.perf_counter() - t0, 1),
             }
         return report

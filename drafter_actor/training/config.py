@@ -61,7 +61,9 @@ class TrainConfig:
     window: int = _f(256, "W: recent K/V rows per tapped layer")
     summary_slots: int = _f(16, "R: summary queries per layer and head")
     markov_rank: int = _f(
-        64, "r: rank of the Markov head (with init_from: a larger rank grows the head)"
+        0,
+        "r: rank of the Markov head (0 = 64; with init_from: 0 keeps the drafter's, a larger "
+        "rank grows the head, starting as the same function)",
     )
     mlp_width: int = _f(
         0,
@@ -146,13 +148,14 @@ class TrainConfig:
             raise TrainError(f"k={self.k} outside 1..{MAX_K}")
         if self.cache_dtype not in CACHE_DTYPES:
             raise TrainError(f"cache_dtype {self.cache_dtype!r} not in {', '.join(CACHE_DTYPES)}")
-        positive = ("max_len", "num_taps", "window", "summary_slots", "markov_rank", "steps")
+        positive = ("max_len", "num_taps", "window", "summary_slots", "steps")
         positive += ("anchors_per_seq", "seqs_per_step", "summary_chunk", "keep_ckpts")
         positive += ("log_every",)
         for name in positive:
             if getattr(self, name) < 1:
                 raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_seqs", "eval_seqs", "mlp_width", "draft_vocab", "ckpt_every"):
+        non_negative = ("max_seqs", "eval_seqs", "mlp_width", "markov_rank", "draft_vocab")
+        for name in (*non_negative, "ckpt_every"):
             if getattr(self, name) < 0:
                 raise TrainError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.repeats()  # checks the spelling

@@ -164,20 +164,19 @@ class Trainer:
                 saved = (saved[0], remap_draft_vocab(saved[1], d2t))
                 dcfg = dataclasses.replace(dcfg, draft_vocab_size=len(d2t))
             if self.resume_from is None:  # a resumed run already has its widths
-                rank = max(cfg.markov_rank, dcfg.markov_rank)
                 dcfg, grown = grow_weights(
-                    dcfg, saved[1], cfg.mlp_width, rank, cfg.seed, cfg.init_std
+                    dcfg, saved[1], cfg.mlp_width, cfg.markov_rank, cfg.seed, cfg.init_std
                 )
                 saved = (saved[0], grown)
             coverage = _coverage(self.train_seqs, d2t)
         else:
             d2t, coverage = self._pick_draft_vocab()
-            extra = {"mlp_width": cfg.mlp_width} if cfg.mlp_width else {}
+            widths = {"mlp_width": cfg.mlp_width, "markov_rank": cfg.markov_rank}
+            extra = {name: w for name, w in widths.items() if w}  # 0: DrafterConfig's default
             dcfg = DrafterConfig.for_target(
                 t,
                 window=cfg.window,
                 summary_slots=cfg.summary_slots,
-                markov_rank=cfg.markov_rank,
                 block_size=cfg.k,
                 draft_vocab_size=len(d2t),
                 carry=cfg.carryover,

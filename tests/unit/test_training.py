@@ -546,6 +546,8 @@ def test_growing_the_mlp_and_markov_rank_keeps_the_drafter_s_logits(target_dir, 
     assert torch.allclose(bias[0], bias[1], atol=1e-6)
     with pytest.raises(TrainError, match="cannot shrink"):
         grow_weights(cfg, weights, cfg.mlp_width - 1, 0, 3, 0.2)
+    with pytest.raises(TrainError, match="markov_rank .* cannot shrink"):
+        grow_weights(cfg, weights, 0, cfg.markov_rank - 1, 3, 0.2)
 
 
 def test_training_from_a_drafter_with_a_wider_mlp(target_dir, data_dir, trained, tmp_path):
