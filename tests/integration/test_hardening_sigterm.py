@@ -75,6 +75,9 @@ def test_sigterm_drains_then_exits(server_process):
     long_body = {"model": model, "prompt": "Hello world", "max_tokens": 400, "stream": True}
     long_body.update(temperature=0, ignore_eos=True)
     small = {"model": model, "prompt": "Hi", "max_tokens": 2}
+    # long enough to still hold its slot while the rest of the burst arrives (with two
+    # tokens, a fast host finished each before the next reached the queue: all 200)
+    held = {**small, "max_tokens": 48, "ignore_eos": True}
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=GRACE_S + 60) as c:
@@ -95,8 +98,8 @@ def test_sigterm_drains_then_exits(server_process):
             traced = await c.post(
                 "/v1/completions", json={**small, "model": "nope"}, headers={"X-Request-Id": "t-1"}
             )
-            # one engine slot left and one queue place: a burst of four overflows Serve's queue
-            burst = await asyncio.gather(*(c.post("/v1/completions", json=small) for _ in range(4)))
+            # one engine slot left and one queue place: a burst of six overflows Serve's queue
+            burst = await asyncio.gather(*(c.post("/v1/completions", json=held) for _ in range(6)))
             proc.send_signal(signal.SIGTERM)
             refused = None
             for _ in range(300):
