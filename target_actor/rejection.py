@@ -58,25 +58,42 @@ class RejectionResult:
 
 
 def rejection_sample(
-    target_logits: torch.Tensor,  # [n, k + 1, vocab]
+    target_logits: torch.Tensor,  # [n, k + 1, vocab] dense, or [sum(num_draft + 1), vocab]
     proposal: Proposal,
     params: list[SeqSampling],
     generators: list[torch.Generator | None],
     num_draft: list[int] | None = None,  # [n], each in 0..k; default k for all
 ) -> RejectionResult:
-    """Accept a prefix of each sequence's drafts and sample its output token."""
-    n, k1, _ = target_logits.shape
-    k = k1 - 1
+    """Accept a prefix of each sequence's drafts and sample its output token.
+
+    ``target_logits`` may be ragged (2-D): sequence ``i``'s ``num_draft[i] + 1`` rows one
+    after another, as the target's forward returns them. Only those rows are ever read, so
+    a round where one sequence drafts 7 tokens and 31 verify none costs 39 rows of argmax
+    or softmax, not 32 x 8 (padding a dense tensor cost ~4x a plain round's sampling).
+    """
     tokens, q_ids, q_probs = proposal.tokens, proposal.q_ids, proposal.q_probs
-    assert tokens.shape == (n, k), f"tokens {tuple(tokens.shape)} != {(n, k)}"
+    n, k = tokens.shape
     assert q_ids.ndim == 3 and q_ids.shape[:2] == (n, k), f"q_ids {tuple(q_ids.shape)}"
     assert q_probs.shape == q_ids.shape, f"q_probs {tuple(q_probs.shape)} != q_ids"
     assert len(params) == n and len(generators) == n
     num_draft = [k] * n if num_draft is None else list(num_draft)
     assert len(num_draft) == n and all(0 <= d <= k for d in num_draft), num_draft
-
     device = target_logits.device
     nd = torch.tensor(num_draft, dtype=torch.long, device=device)  # [n]
+    rows = _row_index(nd, k)  # [n, k + 1]: each slot's row in the ragged logits
+    if target_logits.ndim == 3:
+        assert target_logits.shape[:2] == (n, k + 1), (
+            f"logits {tuple(target_logits.shape)} != {(n, k + 1)}"
+        )
+        dense_rows = torch.arange(n, device=device)[:, None] * (k + 1) + torch.arange(
+            k + 1, device=device
+        )
+        keep = torch.arange(k + 1, device=device) <= nd[:, None]
+        target_logits = target_logits.flatten(0, 1)[dense_rows[keep]]
+    assert target_logits.shape[0] == int((nd + 1).sum()), (
+        f"{target_logits.shape[0]} logit rows for drafts {num_draft}"
+    )
+
     unused = torch.arange(k, device=device) >= nd[:, None]  # [n, k]: may hold padding (-1)
     tokens = tokens.to(device).masked_fill(unused, 0)
     q_ids = q_ids.to(device).masked_fill(unused[..., None], 0)
@@ -88,12 +105,13 @@ def rejection_sample(
     sampled = [i for i in range(n) if not params[i].greedy]
     if greedy:
         idx = torch.tensor(greedy, device=device)
-        m, out = _verify_greedy(target_logits[idx], tokens[idx], nd[idx])
+        m, out = _verify_greedy(target_logits, rows[idx], tokens[idx], nd[idx])
         num_accepted[idx], output_token[idx] = m, out
     if sampled:
         idx = torch.tensor(sampled, device=device)
         m, out = _verify_sampled(
-            target_logits[idx],
+            target_logits,
+            rows[idx],
             tokens[idx],
             q_ids[idx],
             q_probs[idx],
@@ -112,6 +130,14 @@ def rejection_sample(
     )
 
 
+def _row_index(nd: torch.Tensor, k: int) -> torch.Tensor:
+    """``[n, k + 1]``: the ragged row of sequence ``i``'s slot ``j`` (slots past
+    ``nd[i]`` repeat its last row; they are never used)."""
+    start = torch.cumsum(nd + 1, 0) - (nd + 1)  # [n]
+    slot = torch.minimum(torch.arange(k + 1, device=nd.device)[None, :], nd[:, None])
+    return start[:, None] + slot
+
+
 def _leading_accepted(accept: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
     """``accept`` ``[n, k]`` bool -> m ``[n]``: accepted slots before the first rejection."""
     valid = torch.arange(accept.shape[1], device=accept.device) < nd[:, None]  # [n, k]
@@ -119,17 +145,25 @@ def _leading_accepted(accept: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
 
 
 def _verify_greedy(
-    logits: torch.Tensor,  # [n, k + 1, vocab]
+    logits: torch.Tensor,  # [rows, vocab] ragged (all sequences)
+    rows: torch.Tensor,  # [n, k + 1]: these sequences' rows
     tokens: torch.Tensor,  # [n, k]
     nd: torch.Tensor,  # [n]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    top = logits.argmax(-1)  # [n, k + 1]
+    used = torch.unique(rows)  # sorted: the rows these sequences own
+    if len(used) == logits.shape[0]:  # the whole batch is greedy: no row copy
+        top = logits.argmax(-1)
+    else:
+        top = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        top[used] = logits[used].argmax(-1)
+    top = top[rows]  # [n, k + 1]
     m = _leading_accepted(tokens == top[:, :-1], nd)  # [n]
     return m, top.gather(1, m[:, None]).squeeze(1)
 
 
 def _verify_sampled(
-    logits: torch.Tensor,  # [n, k + 1, vocab]
+    logits: torch.Tensor,  # [rows, vocab] ragged (all sequences)
+    rows: torch.Tensor,  # [n, k + 1]: these sequences' rows
     tokens: torch.Tensor,  # [n, k]
     q_ids: torch.Tensor,  # [n, k, K_q]
     q_probs: torch.Tensor,  # [n, k, K_q]
@@ -137,44 +171,49 @@ def _verify_sampled(
     params: list[SeqSampling],
     generators: list[torch.Generator | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    n, k1, _ = logits.shape
+    n, k1 = rows.shape
     k = k1 - 1
-    rows = torch.arange(n, device=logits.device)
-    p = _processed_p(logits, params)  # [n, k + 1, vocab]
+    seqs = torch.arange(n, device=logits.device)
+    p = _processed_p(logits, rows, nd, params)  # [rows, vocab]: zero outside these sequences
 
     # Accept d_j with probability min(1, p(d_j) / q(d_j)), i.e. when u * q(d_j) < p(d_j).
     u = _uniforms(n, k, nd, generators, logits.device)  # [n, k]
-    p_d = p[:, :k].gather(-1, tokens[..., None]).squeeze(-1)  # [n, k]
+    p_d = p[rows[:, :k], tokens]  # [n, k]
     q_d = (q_probs.float() * (q_ids == tokens[..., None])).sum(-1)  # [n, k]
     m = _leading_accepted(u * q_d < p_d, nd)  # [n]
 
     # Output token: recovered from max(0, p - q) at slot m, or the bonus from p at row m
     # (there q is zero, so the residual is p itself, bit for bit). multinomial normalises.
     # A residual that is all zero means p == q at that slot; then fall back to p.
-    p_out = p[rows, m]  # [n, vocab]
+    p_out = p[rows[seqs, m]]  # [n, vocab]
     residual = p_out
     if k > 0:
         slot = m.clamp(max=k - 1)
         rejected = (m < nd).float()[:, None]  # [n, 1]
         q_out = torch.zeros_like(p_out).scatter_add_(
-            -1, q_ids[rows, slot], q_probs[rows, slot].float() * rejected
+            -1, q_ids[seqs, slot], q_probs[seqs, slot].float() * rejected
         )  # [n, vocab]: dense q at the rejected slot, zero for bonus rows
         residual = (p_out - q_out).clamp_min_(0.0)
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_out)
     return m, _draw(residual, generators)
 
 
-def _processed_p(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
-    """``target_probs`` for every row, one call per distinct (temperature, top_k, top_p)."""
-    n, k1, vocab = logits.shape
-    p = torch.empty(n, k1, vocab, dtype=torch.float32, device=logits.device)
+def _processed_p(
+    logits: torch.Tensor, rows: torch.Tensor, nd: torch.Tensor, params: list[SeqSampling]
+) -> torch.Tensor:
+    """``target_probs`` on each sequence's own ``nd[i] + 1`` rows (ragged ``[rows, vocab]``,
+    zero elsewhere), one call per distinct (temperature, top_k, top_p)."""
     groups: dict[tuple[float, int, float], list[int]] = defaultdict(list)
     for i, sp in enumerate(params):
         groups[(sp.temperature, sp.top_k, sp.top_p)].append(i)
+    if len(groups) == 1 and int((nd + 1).sum()) == logits.shape[0]:  # one setting, all rows
+        return target_probs(logits, *next(iter(groups)))
+    p = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    slots = torch.arange(rows.shape[1], device=logits.device)
     for (temperature, top_k, top_p), members in groups.items():
         idx = torch.tensor(members, device=logits.device)
-        flat = logits[idx].reshape(-1, vocab)  # [g * (k + 1), vocab]
-        p[idx] = target_probs(flat, temperature, top_k, top_p).view(-1, k1, vocab)
+        own = rows[idx][slots[None, :] <= nd[idx][:, None]]  # their rows, each once
+        p[own] = target_probs(logits[own], temperature, top_k, top_p)
     return p
 
 

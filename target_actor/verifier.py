@@ -156,13 +156,8 @@ class Verifier:
         out = self.runner.forward(fwd)
         if not self.is_driver:
             return None, None
-        k = max(batch.num_draft)
-        logits = torch.zeros(len(tokens), k + 1, out.logits.shape[-1])  # [n, k + 1, vocab]
-        off = 0
-        for i, s in enumerate(tokens):
-            logits[i, : len(s)] = out.logits[off : off + len(s)]
-            off += len(s)
-        result = self._sample(batch.seq_ids, logits, proposal, batch.num_draft)
+        # ragged logits: each sequence's 1 + num_draft rows, never padded to the round's k
+        result = self._sample(batch.seq_ids, out.logits, proposal, batch.num_draft)
         updates = (
             self._round_updates(batch, fwd, out, result, tokens) if batch.want_updates else None
         )
@@ -192,7 +187,7 @@ class Verifier:
     def _sample(self, seq_ids, logits, proposal: Proposal | None, num_draft) -> StepResult:
         params = [self.sampling[s] for s in seq_ids]
         gens = [self.generators[s] for s in seq_ids]
-        k, n = logits.shape[1] - 1, len(seq_ids)
+        k, n = max(num_draft), len(seq_ids)
         if proposal is None:  # plain decoding steps: an empty proposal
             proposal = Proposal(
                 torch.zeros(n, 0, dtype=torch.long),

@@ -409,3 +409,22 @@ def test_mixed_batch_greedy_results_unchanged():
         assert result.committed[i] == top[i, : num_draft[i] + 1].tolist()
         assert result.bonus[i]
     check_consistent(result, proposal.tokens, num_draft)
+
+
+def test_ragged_logits_give_the_dense_result():
+    """The target's ragged rows (``num_draft + 1`` per sequence, unpadded) verify exactly
+    as the padded ``[n, k + 1, vocab]`` tensor does: greedy, sampled and seeded alike."""
+    logits, proposal, num_draft = make_batch(12, 5, 40, seed=9)
+    num_draft[0], num_draft[1] = 0, 5  # a plain row and a full block among them
+    params = [
+        GREEDY if i % 3 == 0 else SamplingParams(temperature=0.8, top_k=20, seed=i)
+        for i in range(12)
+    ]
+    ragged = torch.cat([logits[i, : d + 1] for i, d in enumerate(num_draft)])
+    dense = rejection_sample(logits, proposal, params, [p.generator() for p in params], num_draft)
+    flat = rejection_sample(ragged, proposal, params, [p.generator() for p in params], num_draft)
+    assert flat.committed == dense.committed
+    assert torch.equal(flat.num_accepted, dense.num_accepted)
+    assert torch.equal(flat.bonus, dense.bonus)
+    with pytest.raises(AssertionError, match="logit rows"):
+        rejection_sample(ragged[1:], proposal, params, [None] * 12, num_draft)
