@@ -72,7 +72,7 @@ def server_process(tmp_path):
 def test_sigterm_drains_then_exits(server_process):
     proc, url, log = server_process
     model = "tiny"
-    long_body = {"model": model, "prompt": "Hello world", "max_tokens": 400, "stream": True}
+    long_body = {"model": model, "prompt": "Hello world", "max_tokens": 800, "stream": True}
     long_body.update(temperature=0, ignore_eos=True)
     small = {"model": model, "prompt": "Hi", "max_tokens": 2}
     # long enough to still hold its slot while the rest of the burst arrives (with two
