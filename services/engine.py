@@ -221,7 +221,7 @@ class Engine:
             c = find_candidate(i, s.last_ids(WINDOW), limit, s.params.temperature > 0)
             if c is not None:
                 candidates.append(c)
-        plan = self.copier.plan(candidates, len(running), self.policy.verify)
+        plan = self.copier.plan(candidates, len(running), self.policy.plain_cost())
         n = len(running)
         self.policy.plain_tokens = 1.0 + sum(self.copier.gain(c) for c in plan) / n
         self.policy.plain_rows = 1.0 + sum(len(c.tokens) for c in plan) / n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.copy_drafts import CopyCandidate, CopyPlanner, copy_proposal, find_candidate
@@ -75,6 +76,22 @@ def test_policy_prices_a_round_of_copies_as_its_plain_option():
     assert policy.choose(1) == 0
     policy.observe([7], [2], 0.0, linear(8), network=False)
     assert policy.accepted.trials[3] < 1.0  # copies never count as the network's drafts
+
+
+def test_copies_are_priced_by_the_rounds_without_the_network_once_their_rows_vary():
+    policy = SpecPolicy(k_max=7)
+    for _ in range(20):  # full blocks: 256 rows at 0.7 s; plain rounds: 32 rows at 0.214 s
+        policy.observe([7] * 32, [2] * 32, 0.01, 0.710)
+        policy.observe([0] * 32, [0] * 32, 0.0, 0.214, network=False)
+    shared = policy.verify.predict(33) - policy.verify.predict(32)
+    assert policy.plain_cost() is policy.verify  # plain rows never varied: the shared line
+    for _ in range(20):  # rounds with one 7-token copy: 39 rows at 0.240 s (3.7 ms a row)
+        policy.observe([7] + [0] * 31, [3] + [0] * 31, 0.0, 0.240, network=False)
+    local = policy.plain_cost()
+    assert local is policy.plain_verify
+    assert local.predict(33) - local.predict(32) == pytest.approx(0.026 / 7, rel=0.01)
+    assert shared == pytest.approx(0.496 / 224, rel=0.01)  # the line over both: 2.2 ms a row
+    assert policy.round_seconds(32, 0) == pytest.approx(0.214, rel=0.01)
 
 
 class AlwaysPlain(Scripted):
