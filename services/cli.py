@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--k", type=_positive_int, default=None)
     spec.add_argument("--no-carry", action="store_true")
     spec.add_argument("--max-tokens", type=_positive_int, default=128)
+    spec.add_argument(
+        "--repeats", type=_positive_int, default=1, help="interleaved runs of every mode"
+    )
     spec.add_argument("--json", default=None, help="write results to this JSON file")
     spec.add_argument("--target", default=None)
     drf = bench_sub.add_parser("drafter", help="drafting time and state bytes vs context")
@@ -421,6 +424,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             args.target,
             not args.no_carry,
             concurrency=tuple(args.concurrency),
+            repeats=args.repeats,
         )
     else:
         from .benchmarks.drafter import run_drafter_bench

@@ -117,3 +117,21 @@ def test_bench_drafter_smoke(smollm2_path, tmp_path):
     assert report["summary"]["longspark_state_ratio"] == 1.0
     assert report["summary"]["full_prefix_state_ratio"] > 1.0
     assert png.stat().st_size > 0
+
+
+def test_bench_spec_smoke(smollm2_path, tmp_path):
+    """Plain, fixed-k and adaptive spec, two interleaved repeats, the shipped drafter."""
+    report_path = tmp_path / "s.json"
+    args = ["bench", "spec", "--max-tokens", "8", "--repeats", "2", "--json", str(report_path)]
+    done = run_cli(args, timeout_s=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["outputs_identical"] and report["repeats"] == 2
+    (run,) = report["runs"]
+    assert run["concurrency"] == 1 and run["prompts"] == 6
+    for mode in ("plain", "spec_fixed_k", "spec_adaptive"):
+        assert len(run[mode]["tokens_per_s_repeats"]) == 2
+        assert 0 < run[mode]["tokens"] == run["plain"]["tokens"] <= 6 * 8
+        assert "token_ids" not in run[mode]
+    assert run["spec_fixed_k"]["num_draft_tokens"] > 0  # it did speculate
+    assert len(run["speedup_adaptive_repeats"]) == 2 and run["speedup_fixed_k"] > 0
