@@ -27,6 +27,7 @@ from target_actor.batch import PrefillBatch, SeqSampling, StepResult, VerifyBatc
 from target_actor.config import TargetConfigError
 
 from .copy_drafts import WINDOW, CopyPlanner, copy_proposal, find_candidate
+from .detokenizer import IncrementalDetokenizer
 from .metrics import EngineStats
 from .sampling import InvalidRequest, SamplingParams
 from .scheduler import Scheduler
@@ -129,7 +130,15 @@ class Engine:
         stopper = StopChecker(
             self.eos, params.max_tokens, params.stop, params.ignore_eos, self.max_len
         )
-        seq = Sequence(next(self._ids), request_id, list(prompt_ids), params, stopper, on_output)
+        seq = Sequence(
+            next(self._ids),
+            request_id,
+            list(prompt_ids),
+            params,
+            stopper,
+            on_output,
+            detokenizer=IncrementalDetokenizer(self.tok.decode),
+        )
         if not self.scheduler.can_ever_fit(seq):
             raise InvalidRequest(
                 "prompt plus max_tokens exceed the KV cache capacity", "max_tokens"
@@ -337,7 +346,7 @@ class Engine:
         self._release(done)
 
     def _text(self, seq: Sequence) -> tuple[str, int | None]:
-        text = self.tok.decode(seq.output_ids)
+        text = seq.detokenizer.text(seq.output_ids)
         cut = seq.stopper.check_text(text, len(seq.emitted_text))
         return text, (cut if cut >= 0 else None)
 
@@ -368,7 +377,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, text: str | None = None) -> None:
         seq.finish_reason, seq.finish_time = reason, time.monotonic()
         self.scheduler.finish(seq)
-        self._emit(seq, self.tok.decode(seq.output_ids) if text is None else text, final=True)
+        self._emit(seq, seq.detokenizer.text(seq.output_ids) if text is None else text, final=True)
         self.requests.pop(seq.request_id, None)
         self.stats.observe_finish(seq)
 

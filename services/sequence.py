@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams
 from .stopping import StopChecker
 
@@ -78,6 +79,7 @@ class Sequence:
     finish_time: float | None = None
     emitted_tokens: int = 0  # how many output tokens the stream has seen
     emitted_text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None  # the output's text, read as it grows
 
     @property
     def cache_len(self) -> int:
