@@ -5,9 +5,9 @@ adds to the verify, and the adaptive policy rounds drop to plain decoding. Greed
 still repeats itself: the continuation of a long recent n-gram match is right far more
 often than the network's average draft (measured on the benchmark mix: tau 3.1 for
 matches of 2+ tokens, 6.8 for 8-token ones). So in those rounds the engine drafts, per
-sequence, the copy of its longest recent match (``drafter_actor.context_copy.find_copy``,
-the drafter's own rule, run on the engine's token ids: no network, no taps, no actor
-call) where the expected gain is worth its rows, and verifies plain rows for the rest.
+sequence, the copy of its longest recent match (the drafter's own rule,
+``drafter_actor.context_copy.find_copy``, answered from an n-gram index of the engine's
+token ids, ``services.ngram_index``: no network, no taps, no actor call) where the expected gain is worth its rows, and verifies plain rows for the rest.
 This is prompt-lookup decoding (vLLM's ``ngram`` method) with a cost model.
 
 Which sequences draft: the verify costs ``a + b * rows`` (the policy's fitted model), and
@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter_actor.context_copy import MAX_NGRAM, MIN_NGRAM, find_copy
-from drafter_actor.messages import HISTORY_TOKENS, Proposal
+from drafter_actor.context_copy import MIN_NGRAM
+from drafter_actor.messages import Proposal
 
+from .ngram_index import NgramIndex
 from .spec_policy import Acceptance, LinearCost
-
-WINDOW = HISTORY_TOKENS + 1  # the ids a match is searched in: the history, then the anchor
 
 
 @dataclass(frozen=True)
@@ -44,19 +43,13 @@ class CopyCandidate:
     key: tuple[int, bool]  # (match length, sampled): the acceptance bucket
 
 
-def find_candidate(
-    row: int, token_ids: list[int], limit: int, sampled: bool
-) -> CopyCandidate | None:
-    """The sure copy for a sequence whose last committed ids are ``token_ids`` (at least
-    its last ``WINDOW``; the last one is the round's anchor), at most ``limit`` tokens;
-    None without a match of ``MIN_NGRAM``."""
-    if limit < 1 or len(token_ids) < 2:
+def find_candidate(row: int, index: NgramIndex, limit: int, sampled: bool) -> CopyCandidate | None:
+    """The sure copy for a sequence whose ids ``index`` holds (the last one is the round's
+    anchor), at most ``limit`` tokens; None without a match of ``MIN_NGRAM``."""
+    if limit < 1:
         return None
-    history = torch.tensor(token_ids[-WINDOW:-1], dtype=torch.long)
-    copy, n = find_copy(history, token_ids[-1], limit)
-    if n < MIN_NGRAM:
-        return None
-    return CopyCandidate(row, copy, (min(n, MAX_NGRAM), sampled))
+    copy, n = index.copy(limit)
+    return CopyCandidate(row, copy, (n, sampled)) if n >= MIN_NGRAM else None
 
 
 @dataclass
@@ -123,4 +116,4 @@ def copy_proposal(drafted: list[CopyCandidate], batch: int) -> tuple[list[int], 
     return num_draft, Proposal(tokens, q_ids, q_probs)
 
 
-__all__ = ["WINDOW", "CopyCandidate", "CopyPlanner", "copy_proposal", "find_candidate"]
+__all__ = ["CopyCandidate", "CopyPlanner", "copy_proposal", "find_candidate"]

@@ -26,7 +26,7 @@ from drafter_actor.messages import DraftRequest, scatter_proposal
 from target_actor.batch import PrefillBatch, SeqSampling, StepResult, VerifyBatch
 from target_actor.config import TargetConfigError
 
-from .copy_drafts import WINDOW, CopyPlanner, copy_proposal, find_candidate
+from .copy_drafts import CopyPlanner, copy_proposal, find_candidate
 from .detokenizer import IncrementalDetokenizer
 from .metrics import EngineStats
 from .sampling import InvalidRequest, SamplingParams
@@ -227,7 +227,8 @@ class Engine:
             if self._keeps_k(s):
                 continue
             limit = self._draft_limit(s, self.config.k)
-            c = find_candidate(i, s.last_ids(WINDOW), limit, s.params.temperature > 0)
+            s.ngrams.sync(s.prompt_ids, s.output_ids)
+            c = find_candidate(i, s.ngrams, limit, s.params.temperature > 0)
             if c is not None:
                 candidates.append(c)
         plan = self.copier.plan(candidates, len(running), self.policy.plain_cost())

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .detokenizer import IncrementalDetokenizer
+from .ngram_index import NgramIndex
 from .sampling import SamplingParams
 from .stopping import StopChecker
 
@@ -80,6 +81,7 @@ class Sequence:
     emitted_tokens: int = 0  # how many output tokens the stream has seen
     emitted_text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # the output's text, read as it grows
+    ngrams: NgramIndex = field(default_factory=NgramIndex)  # engine-side context copies
 
     @property
     def cache_len(self) -> int:
@@ -97,10 +99,3 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
-
-    def last_ids(self, n: int) -> list[int]:
-        """The last ``n`` committed ids (prompt and output), without copying the rest."""
-        tail = self.output_ids[-n:]
-        if len(tail) < n:
-            tail = self.prompt_ids[max(0, len(self.prompt_ids) - (n - len(tail))) :] + tail
-        return tail

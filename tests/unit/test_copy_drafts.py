@@ -7,6 +7,7 @@ import torch
 
 from services.copy_drafts import CopyCandidate, CopyPlanner, copy_proposal, find_candidate
 from services.engine import Engine, EngineConfig
+from services.ngram_index import NgramIndex
 from services.sampling import SamplingParams
 from services.spec_policy import LinearCost, SpecPolicy
 from target_actor.runner import TargetSpec
@@ -25,10 +26,12 @@ def cost(a: float, b: float) -> LinearCost:
 
 def test_candidate_is_the_sure_copy_capped_at_the_limit():
     ids = [5, 6, 7, 8, 9, 1, 5, 6]  # anchor 6 after 5: "5 6" matched, "7 8 9 ..." follows
-    c = find_candidate(3, ids, limit=2, sampled=False)
-    assert c == CopyCandidate(3, [7, 8], (2, False))
-    assert find_candidate(0, [5, 6, 7, 1, 6], 4, False) is None  # a 1-token match: not sure
-    assert find_candidate(0, ids, 0, False) is None  # no room left to draft
+    index, short = NgramIndex(), NgramIndex()
+    index.sync(ids[:3], ids[3:])
+    assert find_candidate(3, index, limit=2, sampled=False) == CopyCandidate(3, [7, 8], (2, False))
+    short.sync([5, 6, 7, 1, 6], [])
+    assert find_candidate(0, short, 4, False) is None  # a 1-token match: not sure
+    assert find_candidate(0, index, 0, False) is None  # no room left to draft
 
 
 def test_planner_drafts_every_copy_when_rows_are_nearly_free_and_only_sure_ones_when_not():
@@ -129,14 +132,3 @@ def test_copies_off_by_default_and_without_the_adaptive_policy(tiny_checkpoints)
     assert Engine(target, ByteTokenizer(), drafter, EngineConfig(k=4, adaptive=True)).copier is None
     fixed = Engine(target, ByteTokenizer(), drafter, EngineConfig(k=4, copy_drafts=True))
     assert fixed.copier is None
-
-
-def test_last_ids_spans_prompt_and_output():
-    from services.sequence import Sequence
-    from services.stopping import StopChecker
-
-    seq = Sequence(0, "r", [1, 2, 3], SamplingParams(), StopChecker((), 16, [], False, 64))
-    seq.output_ids = [4, 5]
-    assert seq.last_ids(4) == [2, 3, 4, 5]
-    assert seq.last_ids(1) == [5]
-    assert seq.last_ids(10) == [1, 2, 3, 4, 5]
