@@ -64,7 +64,7 @@ class NgramIndex:
         return max(0, len(self.ids) - self.window)
 
     def _forget(self) -> None:
-        """Drop the n-grams that ended before the current window."""
+        """Drop the n-grams that start before the current window (they can never match)."""
         floor = self._floor()
         self._last = {g: e for g, e in self._last.items() if e - len(g) + 1 >= floor}
 
