@@ -7,8 +7,9 @@ often than the network's average draft (measured on the benchmark mix: tau 3.1 f
 matches of 2+ tokens, 6.8 for 8-token ones). So in those rounds the engine drafts, per
 sequence, the copy of its longest recent match (the drafter's own rule,
 ``drafter_actor.context_copy.find_copy``, answered from an n-gram index of the engine's
-token ids, ``services.ngram_index``: no network, no taps, no actor call) where the expected gain is worth its rows, and verifies plain rows for the rest.
-This is prompt-lookup decoding (vLLM's ``ngram`` method) with a cost model.
+token ids, ``services.ngram_index``: no network, no taps, no actor call) where the
+expected gain is worth its rows, and verifies plain rows for the rest. This is
+prompt-lookup decoding (vLLM's ``ngram`` method) with a cost model.
 
 Which sequences draft: the verify costs ``a + b * rows`` (the policy's fitted model), and
 a copy of ``k`` tokens from a match of length ``n`` is expected to add ``g(n, k)`` tokens
