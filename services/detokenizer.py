@@ -28,12 +28,15 @@ class IncrementalDetokenizer:
         self._read = 0
 
     def text(self, ids: list[int]) -> str:
-        """The decode of ``ids``, which extend (or equal) the ids of the last call."""
+        """The decode of ``ids``, which extend (or equal) the ids of the last call, or are
+        shorter than them (it then starts over)."""
         if len(ids) < self._read:  # cut below what was read: start over
             self._text, self._prefix, self._read = "", 0, 0
         if len(ids) == self._read:
             return self._text
         context = self._decode(ids[self._prefix : self._read])
+        if self._prefix < self._read and not context:  # special ids only: no context at all
+            return self._reread(ids)  # (a decoder may strip the new text's leading space)
         tail = self._decode(ids[self._prefix :])
         if not tail.startswith(context):  # the new ids changed the context's text
             return self._reread(ids)

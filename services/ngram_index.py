@@ -4,13 +4,16 @@ The engine looks up every running sequence's longest recent match each round
 (``services.copy_drafts``). Scanning the last ``WINDOW`` ids with the drafter's rule
 (``drafter_actor.context_copy.find_copy``) cost ~0.3 ms a sequence 2,000 ids in (10.6 ms a
 round at 32 sequences, measured on a busy host). This index keeps the most recent end
-of every n-gram of ``MIN_NGRAM..MAX_NGRAM`` ids, updated with each round's new ids, so a
-look-up is at most ``MAX_NGRAM - 1`` dict reads. It finds what ``find_copy`` finds on the
+of every n-gram of ``MIN_NGRAM..MAX_NGRAM`` ids, updated with each round's new ids and
+dropping those that left the window (so it holds at most ``MAX_NGRAM - 1`` entries per id
+of the window), so a look-up is at most ``MAX_NGRAM - 1`` dict reads. It finds what ``find_copy`` finds on the
 same window (a unit test compares them): the longest suffix match, the most recent of the
 longest, and the continuation that overlaps itself when it reaches the anchor.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from drafter_actor.context_copy import MAX_NGRAM, MIN_NGRAM
 from drafter_actor.messages import HISTORY_TOKENS
@@ -19,31 +22,39 @@ WINDOW = HISTORY_TOKENS + 1  # the ids a match is searched in: the history, then
 
 
 class NgramIndex:
-    """Most recent end of each n-gram among a sequence's ids, the anchor's excepted."""
+    """Most recent end of each n-gram among a sequence's ids, the anchor's excepted.
+
+    ``window``: the ids a match may lie in, the anchor included. ``ids`` keeps absolute
+    indices: a prompt longer than the window starts with placeholder ids, never indexed.
+    """
 
     def __init__(self, window: int = WINDOW) -> None:
         self.window = window
         self.ids: list[int] = []
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> its most recent end index
+        self._added: deque[tuple[int, tuple[int, ...]]] = deque()  # (start, n-gram), in order
         self._indexed = 0  # n-grams ending before this index are in _last
 
     def sync(self, prompt_ids: list[int], output_ids: list[int]) -> None:
-        """Take in the ids committed since the last call (the ids only ever grow)."""
-        have = len(self.ids)
-        if have < len(prompt_ids):
-            start = max(have, len(prompt_ids) - self.window)  # older ids can never match
-            self.ids.extend([0] * (start - have))  # placeholders keep indices absolute
-            self._indexed = max(self._indexed, start)
-            self.ids.extend(prompt_ids[start:])
-            have = len(self.ids)
-        self.ids.extend(output_ids[have - len(prompt_ids) :])
-        if len(self._last) > 4 * (MAX_NGRAM - MIN_NGRAM + 1) * self.window:
-            self._forget()
-        ids, last, floor = self.ids, self._last, self._floor()
+        """Take in the ids committed since the last call."""
+        if len(prompt_ids) + len(output_ids) < len(self.ids):  # ids were cut: start over
+            self.__init__(self.window)
+        if not self.ids:  # the first call: the prompt's ids that can ever match
+            start = max(0, len(prompt_ids) - self.window)
+            self.ids = [0] * start + prompt_ids[start:]
+            self._indexed = start
+        self.ids.extend(output_ids[len(self.ids) - len(prompt_ids) :])
+        ids, last, added, floor = self.ids, self._last, self._added, self._floor()
         for end in range(self._indexed, len(ids) - 1):  # every end before the anchor
             for n in range(MIN_NGRAM, min(MAX_NGRAM, end - floor + 1) + 1):
-                last[tuple(ids[end - n + 1 : end + 1])] = end
+                gram = tuple(ids[end - n + 1 : end + 1])
+                last[gram] = end
+                added.append((end - n + 1, gram))
         self._indexed = max(self._indexed, len(ids) - 1)
+        while added and added[0][0] < floor:  # left the window: can never match again
+            begin, gram = added.popleft()
+            if last.get(gram, -1) - len(gram) + 1 == begin:  # not seen again since
+                del last[gram]
 
     def copy(self, limit: int) -> tuple[list[int], int]:
         """The continuation (``limit`` ids) of the longest match of the ids' suffix, and
@@ -62,11 +73,6 @@ class NgramIndex:
     def _floor(self) -> int:
         """The oldest index an n-gram may start at (older ones are outside every window)."""
         return max(0, len(self.ids) - self.window)
-
-    def _forget(self) -> None:
-        """Drop the n-grams that start before the current window (they can never match)."""
-        floor = self._floor()
-        self._last = {g: e for g, e in self._last.items() if e - len(g) + 1 >= floor}
 
 
 __all__ = ["WINDOW", "NgramIndex"]

@@ -60,6 +60,20 @@ def test_context_dependent_pieces_decode_as_inside_the_whole_text():
             assert detok.text(prefix) == decode(prefix)
 
 
+def test_special_ids_as_the_only_context_keep_the_next_space():
+    # a SentencePiece decode drops one leading space; "</s>" ids decode to nothing
+    vocab = ["</s>", "▁Hello", "▁world"]
+
+    def decode(ids: list[int]) -> str:
+        text = "".join(vocab[i] for i in ids if i != 0).replace("▁", " ")
+        return text[1:] if text.startswith(" ") else text
+
+    ids = [1, 0, 0, 0, 0, 0, 2]
+    detok = IncrementalDetokenizer(decode)
+    assert detok.text(ids[:6]) == "Hello"
+    assert detok.text(ids) == decode(ids) == "Hello world"
+
+
 def test_ids_cut_below_what_was_read_start_over():
     ids = list(TEXTS[1].encode())
     detok = IncrementalDetokenizer(byte_decode)

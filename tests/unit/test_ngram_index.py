@@ -46,3 +46,15 @@ def test_a_copy_reaching_the_anchor_overlaps_itself():
     index = NgramIndex(32)
     index.sync([4, 5, 4, 5, 4], [5])  # "4 5" recurs right before the anchor
     assert index.copy(5) == ([4, 5, 4, 5, 4], 4) == scan([4, 5, 4, 5, 4, 5], 32, 5)
+
+
+def test_the_index_holds_one_window_of_ngrams_and_restarts_when_ids_are_cut():
+    rng = random.Random(2)
+    text = [rng.randrange(1000) for _ in range(2000)]  # nearly every n-gram is new
+    text[40:50] = text[20:30]
+    index = NgramIndex(64)
+    for n in range(10, len(text), 5):
+        index.sync(text[:10], text[10:n])
+    assert len(index._last) <= 7 * 64  # 2..8-grams starting in the window
+    index.sync(text[:10], text[10:50])  # cut: it starts over on these ids
+    assert index.copy(3) == scan(text[:50], 64, 3) == (text[30:33], 8)
