@@ -3,6 +3,7 @@ a Ray Serve app started and shut down in-process, and engine-accounting polls.""
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -12,11 +13,24 @@ from typing import Any
 
 import httpx
 
+# Below the kernel's ephemeral range (32768+) and above Ray's worker ports (10002-19999):
+# a port the kernel handed out as "free" could be taken by one of the many sockets Ray
+# binds to port 0 while the server under test starts (CI saw exactly that).
+_PORT_RANGE = (20000, 32767)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and that neither the kernel nor Ray hands out by itself."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(*_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORT_RANGE}")
 
 
 @contextmanager
