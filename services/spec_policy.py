@@ -55,20 +55,21 @@ class LinearCost:
     def known(self) -> bool:
         return self.n > 0
 
+    def _variance(self) -> float:
+        mean_x = self.sx / self.n
+        return self.sxx / self.n - mean_x * mean_x
+
     @property
     def spread(self) -> float:
         """Standard deviation of the observed row counts (0: one row count, no slope yet)."""
-        if self.n <= 0:
-            return 0.0
-        mean_x = self.sx / self.n
-        return max(0.0, self.sxx / self.n - mean_x * mean_x) ** 0.5
+        return max(0.0, self._variance()) ** 0.5 if self.n > 0 else 0.0
 
     def predict(self, rows: float) -> float:
         """Seconds for ``rows``; a flat cost until two different row counts were seen."""
         if self.n <= 0:
             return 0.0
         mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mean_x * mean_x
+        var = self._variance()
         if var <= 1e-9 * max(1.0, mean_x * mean_x):
             return mean_y
         b = max(0.0, (self.sxy / self.n - mean_x * mean_y) / var)  # never cheaper for more rows
