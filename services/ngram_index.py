@@ -5,10 +5,11 @@ The engine looks up every running sequence's longest recent match each round
 (``drafter_actor.context_copy.find_copy``) cost ~0.3 ms a sequence 2,000 ids in (10.6 ms a
 round at 32 sequences, measured on a busy host). This index keeps the most recent end
 of every n-gram of ``MIN_NGRAM..MAX_NGRAM`` ids, updated with each round's new ids and
-dropping those that left the window (so it holds at most ``MAX_NGRAM - 1`` entries per id
-of the window), so a look-up is at most ``MAX_NGRAM - 1`` dict reads. It finds what ``find_copy`` finds on the
-same window (a unit test compares them): the longest suffix match, the most recent of the
-longest, and the continuation that overlaps itself when it reaches the anchor.
+dropping those that left the window (at most ``MAX_NGRAM - 1`` entries per id of the
+window), so a look-up is at most ``MAX_NGRAM - 1`` dict reads. It finds what
+``find_copy`` finds on the same window (a unit test compares them): the longest suffix
+match, the most recent of the longest, and the continuation that overlaps itself when it
+reaches the anchor.
 """
 
 from __future__ import annotations
