@@ -40,7 +40,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
 }
 
-GREEDY_BELOW = 1e-5  # a temperature this small would overflow the logits: decode greedily
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
@@ -114,9 +113,7 @@ class _Request(BaseModel):
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise InvalidRequest("seed must fit in 64 bits", "seed")
         temperature = 1.0 if self.temperature is None else float(self.temperature)
-        if 0.0 < temperature < GREEDY_BELOW:
-            temperature = 0.0
-        return SamplingParams(
+        return SamplingParams(  # validates; temperatures below 1e-5 become greedy
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=temperature,
             top_p=1.0 if self.top_p is None else float(self.top_p),

@@ -5,13 +5,21 @@ Greedy text from a small target repeats itself (lists, code, loops) and copies i
 drafter looks for the most recent earlier occurrence of their longest suffix (up to
 ``MAX_NGRAM`` tokens) in the sequence's token history and proposes what followed it.
 
-A copy replaces the network's first slots when the match is long (at least the
-drafter's ``copy_sure_ngram`` tokens, ``MIN_NGRAM`` by default), or when its first token
-equals the network's first draft (two independent guesses agree); the network's own
-drafts fill the slots after the copied ones. A copied slot's proposal ``q`` is one-hot on
-the copied token, so rejection sampling stays exact at any temperature. A copy is always ``k`` tokens long (a copy that
-reaches the anchor repeats itself), so a sure copy replaces the whole block and the
-drafter skips the network's pass for that sequence.
+Two rules merge a copy into the network's proposal, and both keep every slot's ``q`` the
+exact distribution its token was drawn from, given the slots before it (the invariant
+lossless rejection sampling rests on):
+
+* **sure**: the match is long (at least the drafter's ``copy_sure_ngram`` tokens,
+  ``MIN_NGRAM`` by default). The choice depends on the history alone, so every slot takes
+  the copy with a one-hot ``q``. A copy is always ``k`` tokens long (a copy that reaches
+  the anchor repeats itself), so a sure copy replaces the whole block and the drafter
+  skips the network's pass for that sequence.
+* **agreement**: the copy's first token equals the network's first draft (two
+  independent guesses agree). That choice depends on the first slot's *sampled* token,
+  so the first slot keeps the network's token and its ``q`` (the distribution it was
+  drawn from); only the later slots, fixed once the first is known, take the copy with
+  a one-hot ``q``. Making the first slot one-hot as well would accept it with ``p(c)``
+  instead of ``min(1, p(c) / q(c))`` and bias sampled output.
 
 The history is a fixed-size buffer (``HISTORY_TOKENS`` ids), so the drafter's state
 stays independent of the context length.
@@ -92,22 +100,29 @@ def copies_in_text(
 def apply_copies(
     proposal: Proposal, copies: list[tuple[list[int], int]], sure_ngram: int = MIN_NGRAM
 ) -> tuple[Proposal, int]:
-    """``proposal`` with each row's first slots replaced by its copy where the rule allows
-    (a match of ``sure_ngram`` tokens, or agreement on the first token), and how many rows
-    took a copy."""
+    """``proposal`` with each row's slots replaced by its copy where a rule allows, and how
+    many rows took a copy: every slot for a match of ``sure_ngram`` tokens; every slot
+    after the first when the copy agrees with the network's first draft (the first slot
+    keeps its ``q``, which its token was drawn from; see the module docstring)."""
     tokens, q_ids, q_probs = proposal.tokens, proposal.q_ids, proposal.q_probs
     changed = 0
     for i, (copy, n) in enumerate(copies):
-        if not (is_sure(copy, n, sure_ngram) or (copy and copy[0] == int(tokens[i, 0]))):
+        if is_sure(copy, n, sure_ngram):
+            first = 0
+        elif copy and copy[0] == int(tokens[i, 0]):
+            first = 1  # the agreeing slot stays the network's own draw
+        else:
             continue
         if not changed:
             tokens, q_ids, q_probs = tokens.clone(), q_ids.clone(), q_probs.clone()
         changed += 1
         m = min(len(copy), tokens.shape[1])
-        ids = torch.tensor(copy[:m], dtype=tokens.dtype)
-        tokens[i, :m] = ids
-        q_ids[i, :m] = 0
-        q_ids[i, :m, 0] = ids
-        q_probs[i, :m] = 0.0
-        q_probs[i, :m, 0] = 1.0
+        if m <= first:
+            continue
+        ids = torch.tensor(copy[first:m], dtype=tokens.dtype)
+        tokens[i, first:m] = ids
+        q_ids[i, first:m] = 0
+        q_ids[i, first:m, 0] = ids
+        q_probs[i, first:m] = 0.0
+        q_probs[i, first:m, 0] = 1.0
     return (Proposal(tokens, q_ids, q_probs) if changed else proposal), changed

@@ -163,8 +163,8 @@ class Drafter:
         self, requests: list[DraftRequest], k: int, updates: list[RoundUpdate] | None = None
     ) -> Proposal:
         """Apply the last round's updates, then draft ``k`` tokens for every sequence: sure
-        context copies as they are, the others in one block pass (copies that agree with
-        the network's first draft replace its first slots).
+        context copies as they are, the others in one block pass (a copy that agrees with
+        the network's first draft fills the slots after it).
 
         Updates come with each request (``DraftRequest.update``) or, straight from the
         target's verify, as ``updates`` (matched by ``seq_id``; those of sequences freed

@@ -64,9 +64,12 @@ def sample_block(
         logits = (base[:, i] + head(prev)).float() * inv_t.unsqueeze(-1)  # [n, V_d]
         top, ids = logits.topk(support, dim=-1)  # [n, K_q], sorted: ids[:, 0] is the argmax
         probs = torch.where(greedy, one_hot, torch.softmax(top, dim=-1))
-        cdf = probs.cumsum(-1)  # inverse CDF never lands on a zero-probability entry
+        cdf = probs.cumsum(-1)  # inverse CDF never lands on a zero-probability entry...
         pick = torch.searchsorted(cdf, uniforms[:, i : i + 1] * cdf[:, -1:], right=True)
-        prev = ids.gather(-1, pick.clamp_max(support - 1)).squeeze(-1)  # [n]
+        # ... unless u * cdf rounds up to the total: then the last entry with mass (probs
+        # are sorted, so those come first), never one whose q is 0 (it would always pass)
+        last = (probs > 0).sum(-1, keepdim=True) - 1
+        prev = ids.gather(-1, torch.minimum(pick, last)).squeeze(-1)  # [n]
         tokens.append(prev)
         q_ids.append(ids)
         q_probs.append(probs)

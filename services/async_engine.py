@@ -8,9 +8,10 @@ from its own ``asyncio.Queue``, fed from the engine thread with
 otherwise runs rounds back to back, draining the inbox between rounds, so an abort (a
 client that went away) frees its sequence before the next round.
 
-A failed round never kills the thread silently. The requests it was running get the
-error on their streams (:class:`RequestFailed`) and are freed, and the engine keeps
-serving the others. If a target rank died (a ``RayActorError`` escapes the round; drafter
+A failed round never kills the thread silently. The engine itself contains a round that
+raises for some sequences (they alone finish with an error, which their streams get as
+:class:`RequestFailed`); should ``step`` still raise, the requests it was running get the
+error and are freed, and the engine keeps serving the others. If a target rank died (a ``RayActorError`` escapes the round; drafter
 failures are absorbed by ``services.serve_drafter``), the engine is dead: every request
 fails with :class:`EngineDeadError` and :meth:`AsyncEngine.check_health` raises, so Ray
 Serve replaces the replica.
@@ -295,7 +296,8 @@ class AsyncEngine:
 
     def _add(self, ids: list[int], req: GenerateRequest, stream: RequestStream) -> Exception | None:
         def on_output(out: RequestOutput) -> None:
-            stream.put(out)
+            # a request the engine failed alone: its stream gets the error, the rest go on
+            stream.put(RequestFailed(out.error) if out.error else out)
             if out.finished:
                 self._streams.pop(out.request_id, None)
 

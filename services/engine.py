@@ -22,12 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from drafter_actor.messages import DraftRequest, scatter_proposal
+import torch
+
+from drafter_actor.messages import DraftRequest, Proposal, scatter_proposal
 from target_actor.batch import PrefillBatch, SeqSampling, StepResult, VerifyBatch
 from target_actor.config import TargetConfigError
 
 from .copy_drafts import CopyPlanner, copy_proposal, find_candidate
 from .detokenizer import IncrementalDetokenizer
+from .errors import is_fatal, user_error_message
 from .metrics import EngineStats
 from .sampling import InvalidRequest, SamplingParams
 from .scheduler import Scheduler
@@ -160,11 +163,17 @@ class Engine:
 
     # -- the round ----------------------------------------------------------------
     def step(self) -> None:
-        """Admit and prefill new requests, then one draft -> verify -> commit round."""
+        """Admit and prefill new requests, then one draft -> verify -> commit round.
+
+        A round that raises for some sequences never fails the others (see ``_apart``):
+        only the sequences that fail on their own finish, with an error.
+        """
         self._prefill(self.scheduler.admit())
         running = list(self.scheduler.running)
-        if not running:
-            return
+        if running:
+            self._round(running)
+
+    def _round(self, running: list[Sequence]) -> None:
         t0 = time.perf_counter()
         k, copies = self.config.k, None
         if self.policy:
@@ -177,29 +186,18 @@ class Engine:
             [s.anchor for s in running],
             [s.cache_len for s in running],
             num_draft,
-            want_updates=self.drafter is not None
-            and any(s.seq_id not in self._plain_only for s in running),
+            want_updates=self._wants_updates(running),
         )
-        proposal, copied = None, False
-        if self.drafter is not None and max(num_draft) > 0:
-            rows = [i for i, s in enumerate(running) if s.seq_id not in self._plain_only]
-            requests = [
-                DraftRequest(s.seq_id, s.anchor, s.cache_len, s.params.temperature)
-                for s in (running[i] for i in rows)
-            ]
-            proposal = self.drafter.propose(requests, max(num_draft), self._updates)
-            if proposal is None:  # the drafter failed this round: verify zero drafts
-                num_draft = batch.num_draft = [0] * len(running)
-            else:
-                proposal = scatter_proposal(proposal, rows, len(running))
-        else:
-            if self.drafter is not None and self._updates is not None and self.policy:
-                self.drafter.update(self._updates)  # keep the drafter's views current
-            if copies:  # a round without the network: the planned copies draft
-                num_draft, proposal = copy_proposal(copies, len(running))
-                batch.num_draft, copied = num_draft, True
+        proposal, copied = self._draft(running, batch, copies)
+        num_draft = batch.num_draft
         t1 = time.perf_counter()
-        result, self._updates = self.target.verify(batch, proposal)
+        try:
+            result, self._updates = self.target.verify(batch, proposal)
+        except Exception as exc:  # noqa: BLE001 - contained per sequence unless fatal
+            if is_fatal(exc):
+                raise
+            self._apart(running, batch, proposal, exc)
+            return
         t2 = time.perf_counter()
         if self.policy:
             network = proposal is not None and not copied
@@ -215,6 +213,84 @@ class Engine:
             num_draft=num_draft,
             num_accepted=result.num_accepted,
         )
+
+    def _draft(
+        self, running: list[Sequence], batch: VerifyBatch, copies: list | None
+    ) -> tuple[Proposal | None, bool]:
+        """The round's proposal (None: a plain round; ``batch.num_draft`` follows it) and
+        whether it holds engine-side copies. The last verify's updates reach the drafter
+        here, and only here: a round that fails later must not hand them over twice."""
+        updates, self._updates = self._updates, None
+        if self.drafter is None:
+            return None, False
+        if max(batch.num_draft) > 0:
+            rows = [i for i, s in enumerate(running) if s.seq_id not in self._plain_only]
+            requests = [
+                DraftRequest(s.seq_id, s.anchor, s.cache_len, s.params.temperature)
+                for s in (running[i] for i in rows)
+            ]
+            try:
+                proposal = self.drafter.propose(requests, max(batch.num_draft), updates)
+            except Exception as exc:  # noqa: BLE001 - a plain round instead, unless fatal
+                if is_fatal(exc):
+                    raise
+                self._drafter_failed(running, batch, exc)
+                return None, False
+            if proposal is None:  # the drafter failed this round: verify zero drafts
+                batch.num_draft = [0] * len(running)
+                return None, False
+            return scatter_proposal(proposal, rows, len(running)), False
+        if updates is not None:
+            self.drafter.update(updates)  # keep the drafter's views current
+        if copies:  # a round without the network: the planned copies draft
+            batch.num_draft, proposal = copy_proposal(copies, len(running))
+            return proposal, True
+        return None, False
+
+    def _drafter_failed(self, running: list[Sequence], batch: VerifyBatch, exc: Exception) -> None:
+        """An in-process drafter raised mid-propose: its views of these sequences may be
+        half-updated, so they go on plainly (still exact) and this round verifies none."""
+        log.warning("the drafter failed (%s); %d sequences go on plainly", exc, len(running))
+        self.stats.drafter_errors += 1
+        drop = [s.seq_id for s in running if s.seq_id not in self._plain_only]
+        if drop:
+            self.drafter.free(drop)
+            self._plain_only.update(drop)
+        batch.num_draft = [0] * len(running)
+        batch.want_updates = self._wants_updates(running)
+
+    def _apart(
+        self, seqs: list[Sequence], batch: VerifyBatch, proposal: Proposal | None, exc: Exception
+    ) -> None:
+        """The verify of ``seqs`` raised: verify its halves apart (each with its part of
+        the same proposal), down to the sequences that fail alone, which finish with the
+        error. The others lose nothing: each forward first rolls the KV cache back to the
+        round's start, the verifier restores its seeded generators when a verify raises,
+        and the drafter takes every part's updates, so their tokens are the ones the
+        whole round would have given."""
+        if len(seqs) == 1:
+            log.warning("request %s failed alone in a round: %s", seqs[0].request_id, exc)
+            self.stats.isolated_failures += 1
+            self._fail(seqs[0], exc)
+            return
+        self.stats.split_rounds += 1
+        half = len(seqs) // 2
+        for part in (list(range(half)), list(range(half, len(seqs)))):
+            sub, sub_proposal = batch.select(part), _select(proposal, part)
+            sub.want_updates = self._wants_updates([seqs[i] for i in part])
+            try:
+                result, updates = self.target.verify(sub, sub_proposal)
+            except Exception as e:  # noqa: BLE001
+                if is_fatal(e):
+                    raise
+                self._apart([seqs[i] for i in part], sub, sub_proposal, e)
+                continue
+            if updates is not None:
+                self.drafter.update(updates)
+            self._commit([seqs[i] for i in part], result, sub.num_draft)
+
+    def _wants_updates(self, seqs: list[Sequence]) -> bool:
+        return self.drafter is not None and any(s.seq_id not in self._plain_only for s in seqs)
 
     def _plan_copies(self, running: list[Sequence]) -> list:
         """The context copies worth verifying if this round goes without the network (see
@@ -288,8 +364,27 @@ class Engine:
         return max(0, min(k, seq.remaining - 1, self.max_len - seq.total_len - 1))
 
     def _prefill(self, seqs: list[Sequence]) -> None:
+        """Prefill ``seqs`` together; if that raises, halves apart, down to the prompts
+        that fail alone (prefill is idempotent: the KV cache restarts at 0, generators
+        and drafter views are made anew)."""
         if not seqs:
             return
+        try:
+            self._prefill_batch(seqs)
+        except Exception as exc:  # noqa: BLE001 - contained per sequence unless fatal
+            if is_fatal(exc):
+                raise
+            if len(seqs) == 1:
+                log.warning("request %s failed alone in prefill: %s", seqs[0].request_id, exc)
+                self.stats.isolated_failures += 1
+                self._fail(seqs[0], exc)
+                return
+            self.stats.split_rounds += 1
+            half = len(seqs) // 2
+            self._prefill(seqs[:half])
+            self._prefill(seqs[half:])
+
+    def _prefill_batch(self, seqs: list[Sequence]) -> None:
         batch = PrefillBatch(
             [s.seq_id for s in seqs],
             [s.prompt_ids for s in seqs],
@@ -372,6 +467,7 @@ class Engine:
                     list(seq.output_ids),
                     len(seq.prompt_ids),
                     seq.stats if final else None,
+                    seq.error if final else None,
                 )
             )
 
@@ -381,6 +477,12 @@ class Engine:
         self._emit(seq, seq.detokenizer.text(seq.output_ids) if text is None else text, final=True)
         self.requests.pop(seq.request_id, None)
         self.stats.observe_finish(seq)
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        """Finish ``seq`` alone with the error (its stream gets ``RequestOutput.error``)."""
+        seq.error = f"the engine failed on this request: {user_error_message(exc)}"
+        self._finish(seq, "error")
+        self._release([seq])
 
     def _release(self, seqs: list[Sequence]) -> None:
         """Free the target KV and drafter state of sequences that left the running batch."""
@@ -413,3 +515,11 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return [finals[r] for r in order]
+
+
+def _select(proposal: Proposal | None, rows: list[int]) -> Proposal | None:
+    """The proposal's ``rows`` (a part of a round verified apart)."""
+    if proposal is None:
+        return None
+    index = torch.tensor(rows, dtype=torch.long)
+    return Proposal(proposal.tokens[index], proposal.q_ids[index], proposal.q_probs[index])

@@ -11,6 +11,15 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def is_fatal(exc: BaseException) -> bool:
+    """A failure no retry of the round can contain: a Ray actor (a target rank) died."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, RayActorError) or isinstance(unwrap(exc), RayActorError)
+
+
 OUR_PACKAGES = {"api", "services", "target_actor", "drafter_actor"}
 
 

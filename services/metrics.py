@@ -49,8 +49,11 @@ class EngineStats:
     drafter_sleeps: int = 0  # times the adaptive policy put the drafter aside
     drafter_probes: int = 0  # sequences admitted with drafter state while it was aside
     copy_drafts: int = 0  # sequence-rounds that drafted an engine-side context copy
+    isolated_failures: int = 0  # requests a failing round or prefill finished alone
+    split_rounds: int = 0  # failed verifies / prefills retried in halves to isolate them
+    drafter_errors: int = 0  # proposals an in-process drafter raised on (those went plain)
     round_log: TimingLog = field(default_factory=TimingLog)  # (draft_s, verify_s, round_s)
-    request_log: TimingLog = field(default_factory=TimingLog)  # (e2e_s,), aborts excluded
+    request_log: TimingLog = field(default_factory=TimingLog)  # (e2e_s,), aborts/errors excluded
 
     def observe_round(
         self,
@@ -74,7 +77,7 @@ class EngineStats:
         self.finish_reasons[seq.finish_reason] = self.finish_reasons.get(seq.finish_reason, 0) + 1
         self.num_prompt_tokens += len(seq.prompt_ids)
         self.num_output_tokens += len(seq.output_ids)
-        if seq.finish_reason != "abort" and seq.finish_time is not None:
+        if seq.finish_reason not in ("abort", "error") and seq.finish_time is not None:
             self.request_log.add(seq.finish_time - seq.arrival_time)
 
     def summary(self) -> dict[str, Any]:
@@ -94,4 +97,7 @@ class EngineStats:
             "drafter_sleeps": self.drafter_sleeps,
             "drafter_probes": self.drafter_probes,
             "copy_drafts": self.copy_drafts,
+            "isolated_failures": self.isolated_failures,
+            "split_rounds": self.split_rounds,
+            "drafter_errors": self.drafter_errors,
         }

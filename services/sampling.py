@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from target_actor.sampling import SAMPLING_EPS
+
 
 class InvalidRequest(ValueError):
     """A request setting is out of range (one-line message naming the field)."""
@@ -38,6 +40,8 @@ class SamplingParams:
             raise InvalidRequest(
                 f"temperature must lie in [0, 100], got {self.temperature}", "temperature"
             )
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0  # greedy, as vLLM does: logits / T would overflow
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must lie in (0, 1], got {self.top_p}", "top_p")
         if self.top_k == -1:

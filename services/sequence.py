@@ -60,7 +60,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)  # the whole output so far
     num_prompt_tokens: int = 0
     stats: SpecStats | None = None
-    error: str | None = None
+    error: str | None = None  # set on the final output of a request the engine failed
 
 
 @dataclass(eq=False)
@@ -74,6 +74,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)  # committed generated tokens
     finish_reason: str | None = None
+    error: str | None = None  # why the engine failed this request (finish reason "error")
     stats: SpecStats = field(default_factory=SpecStats)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -41,6 +41,8 @@ COUNTERS = {
     "drafter_failures": "drafter actor failures",
     "drafter_restarts": "drafter actors restarted",
     "drafter_lost_sequences": "sequences that went on plainly after a drafter failure",
+    "isolated_failures": "requests that failed alone in a round or prefill (the rest went on)",
+    "split_rounds": "failed verifies or prefills retried in halves to find the failing requests",
 }
 LABELLED_COUNTERS = {  # name -> (description, extra tag key)
     "spec_decode_num_accepted_tokens_per_pos": (
@@ -111,6 +113,8 @@ class EngineMetrics:
             "prompt_tokens": s.num_prompt_tokens,
             "output_tokens": s.num_output_tokens,
             "rounds": s.rounds,
+            "isolated_failures": s.isolated_failures,
+            "split_rounds": s.split_rounds,
             **{n: int(drafter.get(n, 0)) for n in DRAFTER_COUNTERS},
             "spec_decode_num_accepted_tokens_per_pos": {
                 str(pos): n for pos, n in enumerate(spec.accepted_per_pos)

@@ -95,6 +95,16 @@ class VerifyBatch:
     num_draft: list[int]  # drafts verified per sequence (<= the proposal's k)
     want_updates: bool = True  # build the drafter's RoundUpdates (spec mode)
 
+    def select(self, rows: list[int]) -> VerifyBatch:
+        """The round of the sequences at ``rows`` only."""
+        return VerifyBatch(
+            [self.seq_ids[i] for i in rows],
+            [self.anchors[i] for i in rows],
+            [self.positions[i] for i in rows],
+            [self.num_draft[i] for i in rows],
+            self.want_updates,
+        )
+
 
 @dataclass
 class StepResult:

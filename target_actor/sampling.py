@@ -4,6 +4,11 @@
 decoding samples from it and the rejection sampler verifies drafts against exactly the
 same ``p``, which keeps speculative output lossless. Greedy (``temperature == 0``) never
 builds ``p``: it takes the argmax of the logits.
+
+Every setting the boundary accepts gives a proper distribution: temperatures below
+``SAMPLING_EPS`` are greedy (as in vLLM: ``logits / T`` would overflow fp32), and top-p
+keeps at least the most likely token, however small ``top_p`` is (a ``top_p`` that
+rounds to 0 in fp32 used to mask every token).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import torch
 
 TOP_P_CANDIDATES = 1024  # top-p sorts only this many candidates when they hold enough mass
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 
 
 def target_probs(
@@ -38,6 +44,8 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     if n_cand < probs.shape[-1] and bool((sorted_p.sum(-1) < top_p).any()):
         sorted_p, idx = probs.sort(dim=-1, descending=True)
     before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    drop = before >= top_p
+    drop[..., 0] = False  # the most likely token always stays
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
     out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return out / out.sum(-1, keepdim=True)

@@ -185,8 +185,20 @@ class Verifier:
         return updates
 
     def _sample(self, seq_ids, logits, proposal: Proposal | None, num_draft) -> StepResult:
-        params = [self.sampling[s] for s in seq_ids]
+        """Rejection sampling for the batch. If it raises, every seeded generator is put
+        back as it was, so the engine can retry the round's sequences apart and each
+        seeded one draws the numbers the whole round would have given it."""
         gens = [self.generators[s] for s in seq_ids]
+        saved = [(g, g.get_state()) for g in gens if g is not None]
+        try:
+            return self._sample_batch(seq_ids, logits, proposal, num_draft, gens)
+        except Exception:
+            for g, state in saved:
+                g.set_state(state)
+            raise
+
+    def _sample_batch(self, seq_ids, logits, proposal, num_draft, gens) -> StepResult:
+        params = [self.sampling[s] for s in seq_ids]
         k, n = max(num_draft), len(seq_ids)
         if proposal is None:  # plain decoding steps: an empty proposal
             proposal = Proposal(

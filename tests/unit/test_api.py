@@ -391,7 +391,7 @@ def test_a_failed_round_fails_its_requests_and_serving_goes_on(engine):
         failed.status_code == 500 and "injected verify failure" in failed.json()["error"]["message"]
     )
     assert ok.status_code == 200
-    assert stats["failed_rounds"] >= 1 and stats["kv"]["used_blocks"] == 0
+    assert stats["engine"]["isolated_failures"] == 1 and stats["kv"]["used_blocks"] == 0
 
 
 def test_dead_target_fails_requests_with_503_and_reports_unhealthy(tiny_chat):

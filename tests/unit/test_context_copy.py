@@ -54,6 +54,10 @@ def test_rule_copies_long_matches_and_agreeing_single_tokens():
     assert out.tokens[0].tolist() == [40, 41, 3, 4]
     # row 1: a 1-gram match whose first token agrees with the network: copied (k cut)
     assert out.tokens[1].tolist() == [5, 50, 51, 52]
+    # ... but the agreeing slot keeps the network's q: its token was drawn from it
+    assert torch.equal(out.q_ids[1, 0], base.q_ids[1, 0])
+    assert torch.equal(out.q_probs[1, 0], base.q_probs[1, 0])
+    assert out.q_probs[1, 1:].tolist() == [[1.0, 0.0, 0.0]] * 3
     # rows 2, 3: a disagreeing 1-gram match, and no match: the network's drafts
     assert torch.equal(out.tokens[2:], base.tokens[2:])
     assert torch.equal(out.q_probs[2:], base.q_probs[2:])
@@ -78,3 +82,33 @@ def test_a_higher_sure_length_leaves_short_matches_to_the_network():
     assert torch.equal(out.tokens[0], base.tokens[0])  # 3 < 4 and no agreement: the network
     assert out.tokens[1].tolist() == [60, 61, 62, 63]  # long enough
     assert out.tokens[2].tolist() == [9, 90, 91, 92]  # short, but agrees with the network
+
+
+def test_agreement_rule_keeps_the_target_distribution():
+    """The reproduction of the bias the old rule had: a 3-token vocabulary, target
+    p = [.5, .3, .2], network q = [.2, .5, .3], a 1-token match continuing with token 1
+    and ``sure_ngram`` 8 (the shipped drafter's), so only the agreement rule can fire.
+    The first emitted token must follow p; the old rule (slot 1 one-hot whenever the
+    network drew token 1) gave [0.55, 0.15, 0.30]."""
+    from target_actor.batch import SeqSampling
+    from target_actor.rejection import rejection_sample
+
+    n, k = 20_000, 2
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.5, 0.3])
+    gen = torch.Generator().manual_seed(0)
+    first = torch.multinomial(q, n, replacement=True, generator=gen)  # the network's draws
+    tokens = torch.stack([first, torch.zeros(n, dtype=torch.long)], 1)  # [n, k]
+    q_ids = torch.arange(3).expand(n, k, 3).clone()
+    q_probs = q.expand(n, k, 3).clone()
+    copies = [([1, 2], 1)] * n  # a 1-token match: its copy starts with token 1
+    out, copied = apply_copies(Proposal(tokens, q_ids, q_probs), copies, sure_ngram=8)
+    assert copied == int((first == 1).sum()) > 0
+    logits = p.log().expand(n, k + 1, 3).clone()
+    torch.manual_seed(1)
+    res = rejection_sample(logits, out, [SeqSampling(temperature=1.0)] * n, [None] * n)
+    emitted = torch.tensor([c[0] for c in res.committed])
+    counts = torch.bincount(emitted, minlength=3).double()
+    expected = p.double() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 13.8, f"first tokens {(counts / n).tolist()} (chi2 {chi2:.1f}, df 2)"
