@@ -8,6 +8,7 @@ fits (``request_id`` is the one echoed in ``X-Request-Id``; see ``api.request_id
 cause                                                   status  type / code
 ======================================================  ======  ========================
 malformed JSON, wrong types, missing fields (pydantic)  400     invalid_request_error
+a header value that is not UTF-8 (``api.proxy_guard``)  400     ... / invalid_header
 bad setting (``InvalidRequest``), unsupported field     400     invalid_request_error
 max_tokens over the server's cap                        400     ... / invalid_value
 prompt over the context or the server's prompt limit    400     ... / context_length_exceeded

@@ -150,6 +150,8 @@ def run_server(args: argparse.Namespace) -> None:
     from pydantic import ValidationError
     from ray import serve
 
+    from api import proxy_guard
+
     from .serve import build_app
     from .serve_config import ServeArgs
     from .serve_drain import create_signal
@@ -173,6 +175,9 @@ def run_server(args: argparse.Namespace) -> None:
     bundle_cpus = sum(b.get("CPU", 0) for b in cfg.bundles())
     num_cpus = max(os.cpu_count() or 1, math.ceil(bundle_cpus * cfg.max_replicas) + 1)
     dashboard = _dashboard_available() and not getattr(args, "no_dashboard", False)
+    # Serve's proxy answers header values that are not UTF-8 with a bare 500 before the app
+    # runs; this guard (inherited by the proxy through Ray's processes) answers a 400
+    proxy_guard.install()
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=dashboard,

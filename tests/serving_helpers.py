@@ -65,10 +65,12 @@ def serve_app(args: dict[str, Any], name: str = "longspark", num_cpus: int = 8) 
     import ray
     from ray import serve
 
+    from api import proxy_guard
     from services.serve import build_app
 
     started = not ray.is_initialized()
     if started:
+        proxy_guard.install()  # as ``longspark serve`` does
         ray.init(
             num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False
         )

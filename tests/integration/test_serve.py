@@ -238,3 +238,30 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(server):
     assert cases[4][0].json()["error"]["code"] == "context_length_exceeded"
     assert _post(server, ok).status_code == 200
     assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+
+
+def test_a_header_that_is_not_utf8_gets_a_400_from_the_proxy_guard(server):
+    """Ray Serve's proxy decodes x-request-id itself (a bare 500 before the app runs);
+    ``api.proxy_guard`` answers first, and serving goes on."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    where = urlsplit(server)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in [
+        ("Authorization", f"Bearer {KEY}".encode()),
+        ("Content-Type", b"application/json"),
+        ("Content-Length", str(len(body)).encode()),
+        ("X-Request-Id", b"\xff\xfe\x80"),
+    ]:
+        conn.putheader(name, value)
+    conn.endheaders(body.encode())
+    r = conn.getresponse()
+    assert r.status == 400 and r.getheader("content-type") == "application/json"
+    err = json.loads(r.read())["error"]
+    assert err["code"] == "invalid_header" and "x-request-id" in err["message"]
+    conn.close()
+    ok = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert _post(server, ok, headers={**AUTH, "X-Request-Id": "fine-1"}).status_code == 200

@@ -431,3 +431,40 @@ def test_request_failed_maps_to_500():
 
     err = to_api_error(RequestFailed("boom"))
     assert err.status == 500 and err.body()["error"]["message"] == "boom"
+
+
+def test_no_top_p_in_range_fails_a_request_or_its_neighbours(engine, plain):
+    """Hostile top_p values (they once masked every token and failed the whole round)
+    sharing rounds with a greedy stream: every request gets a 200, the stream its text."""
+    app = make_app(engine)
+    prompt = "The quick brown fox"
+    tiny = [5e-324, 1e-320, 1e-46, 7e-46, 1e-10, 0.5, 1.0]
+
+    async def go():
+        client = openai_client(app)
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        first = await stream.__anext__()  # the stream is running: the others join its rounds
+        async with http(app) as c:
+            hostile = await asyncio.gather(
+                *(
+                    c.post(
+                        "/v1/completions",
+                        json={"model": MODEL, "prompt": "Hi", "max_tokens": 8, "top_p": v},
+                    )
+                    for v in tiny
+                )
+            )
+        rest = [chunk async for chunk in stream]
+        return [first, *rest], hostile
+
+    chunks, hostile = run(go())
+    assert [r.status_code for r in hostile] == [200] * len(tiny), [r.text for r in hostile]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == engine.tok.decode(plain_tokens(plain, engine.tok.encode(prompt), 40))
