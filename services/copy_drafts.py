@@ -21,7 +21,9 @@ Every ``explore_every`` rounds one more candidate drafts, the one whose match le
 the least evidence, so estimates stay fresh at the cost of a few rows (exploring every
 candidate at once cost ~6% of a round's time at 32 sequences).
 
-A copied slot's proposal is one-hot, so verification stays lossless at any temperature.
+A copied slot's proposal is one-hot, and which sequences copy depends only on their
+history and on earlier rounds (never on a token sampled this round), so verification
+stays lossless at any temperature (the invariant in ``target_actor.rejection``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,17 @@ plain greedy decoding. Sampling accepts ``d_j`` with probability ``min(1, p(d_j)
 (Leviathan et al. 2023, Chen et al. 2023), which makes the committed tokens distributed
 exactly as the target's.
 
+**The invariant every proposer must keep:** slot ``j``'s ``q`` is exactly the distribution
+its token ``d_j`` was drawn from, given the history and the slots before it. ``q`` may be
+one-hot (a copy, a greedy draft) and may depend on anything decided before slot ``j`` was
+drawn (the earlier slots, the history, timings, other randomness), but a choice that
+looks at ``d_j`` itself must leave ``q_j`` as the distribution ``d_j`` came from. Swapping
+``d_j`` for a copy *because* it equals the copy, and then shipping a one-hot ``q_j``,
+accepts it with ``p(d_j)`` instead of ``min(1, p / q)`` and biases the output
+(``drafter_actor.context_copy`` keeps the network's ``q`` in that slot for this reason).
+Truncating a block (a smaller ``num_draft``) keeps the invariant: the verified prefix is
+unchanged.
+
 Random numbers. A sequence with its own ``torch.Generator`` draws, in this order:
 ``num_draft`` uniforms (one per draft slot, all drawn before any is used), then one
 ``torch.multinomial`` draw for the output token. Greedy sequences draw nothing. So a
