@@ -262,32 +262,48 @@ class Engine:
     def _apart(
         self, seqs: list[Sequence], batch: VerifyBatch, proposal: Proposal | None, exc: Exception
     ) -> None:
-        """The verify of ``seqs`` raised: verify its halves apart (each with its part of
-        the same proposal), down to the sequences that fail alone, which finish with the
-        error. The others lose nothing: each forward first rolls the KV cache back to the
-        round's start, the verifier restores its seeded generators when a verify raises,
-        and the drafter takes every part's updates, so their tokens are the ones the
-        whole round would have given."""
+        """The verify of ``seqs`` raised: verify parts apart, each with its rows of the same
+        proposal (``_bisect``). The others lose nothing: each forward first rolls the KV
+        cache back to the round's start, the verifier restores its seeded generators when
+        sampling raises, and the drafter takes every part's updates, so their tokens are
+        the ones the whole round would have given."""
+
+        def verify(rows: list[int]) -> None:
+            sub = batch.select(rows)
+            sub.want_updates = self._wants_updates([seqs[i] for i in rows])
+            result, updates = self.target.verify(sub, _select(proposal, rows))
+            if updates is not None:
+                self.drafter.update(updates)
+            self._commit([seqs[i] for i in rows], result, sub.num_draft)
+            self.stats.observe_tokens(sub.num_draft, result.num_accepted)
+
+        self._bisect(seqs, exc, verify, "a round")
+
+    def _bisect(
+        self,
+        seqs: list[Sequence],
+        exc: Exception,
+        run: Callable[[list[int]], None],
+        what: str,
+    ) -> None:
+        """``run`` over all of ``seqs`` raised ``exc``: run their halves apart (``run`` takes
+        indices into ``seqs``), and so on down to the sequences that fail alone, which
+        finish with their error; the rest go on."""
         if len(seqs) == 1:
-            log.warning("request %s failed alone in a round: %s", seqs[0].request_id, exc)
+            log.warning("request %s failed alone in %s: %s", seqs[0].request_id, what, exc)
             self.stats.isolated_failures += 1
             self._fail(seqs[0], exc)
             return
         self.stats.split_rounds += 1
         half = len(seqs) // 2
-        for part in (list(range(half)), list(range(half, len(seqs)))):
-            sub, sub_proposal = batch.select(part), _select(proposal, part)
-            sub.want_updates = self._wants_updates([seqs[i] for i in part])
+        for rows in (list(range(half)), list(range(half, len(seqs)))):
             try:
-                result, updates = self.target.verify(sub, sub_proposal)
-            except Exception as e:  # noqa: BLE001
+                run(rows)
+            except Exception as e:  # noqa: BLE001 - contained per sequence unless fatal
                 if is_fatal(e):
                     raise
-                self._apart([seqs[i] for i in part], sub, sub_proposal, e)
-                continue
-            if updates is not None:
-                self.drafter.update(updates)
-            self._commit([seqs[i] for i in part], result, sub.num_draft)
+                part = [seqs[i] for i in rows]
+                self._bisect(part, e, lambda sub, rows=rows: run([rows[j] for j in sub]), what)
 
     def _wants_updates(self, seqs: list[Sequence]) -> bool:
         return self.drafter is not None and any(s.seq_id not in self._plain_only for s in seqs)
@@ -364,9 +380,8 @@ class Engine:
         return max(0, min(k, seq.remaining - 1, self.max_len - seq.total_len - 1))
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill ``seqs`` together; if that raises, halves apart, down to the prompts
-        that fail alone (prefill is idempotent: the KV cache restarts at 0, generators
-        and drafter views are made anew)."""
+        """Prefill ``seqs`` together; if that raises, parts apart (``_bisect``). Prefill is
+        idempotent: the KV cache restarts at 0, generators and drafter views are made anew."""
         if not seqs:
             return
         try:
@@ -374,15 +389,9 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - contained per sequence unless fatal
             if is_fatal(exc):
                 raise
-            if len(seqs) == 1:
-                log.warning("request %s failed alone in prefill: %s", seqs[0].request_id, exc)
-                self.stats.isolated_failures += 1
-                self._fail(seqs[0], exc)
-                return
-            self.stats.split_rounds += 1
-            half = len(seqs) // 2
-            self._prefill(seqs[:half])
-            self._prefill(seqs[half:])
+            self._bisect(
+                seqs, exc, lambda rows: self._prefill_batch([seqs[i] for i in rows]), "prefill"
+            )
 
     def _prefill_batch(self, seqs: list[Sequence]) -> None:
         batch = PrefillBatch(
@@ -421,25 +430,39 @@ class Engine:
     def _commit(
         self, seqs: list[Sequence], result: StepResult, num_draft: list[int], count: bool = True
     ) -> None:
+        """Append each sequence's tokens, stream them, finish the ones that stopped. A
+        sequence whose commit raises (its stop rules, its text) finishes alone."""
         done: list[Sequence] = []
         for seq, tokens, m, nd in zip(
             seqs, result.committed, result.num_accepted, num_draft, strict=True
         ):
-            if count:
-                seq.stats.observe(nd, m)
-            seq.output_ids.extend(tokens)
-            reason, keep = seq.stopper.check_tokens(seq.output_ids, len(tokens), seq.total_len)
-            if reason is not None:
-                del seq.output_ids[keep:]
-            text, stop_cut = self._text(seq)
-            if stop_cut is not None:
-                reason, text = "stop", text[:stop_cut]
-            if reason is not None:
-                self._finish(seq, reason, text)
-                done.append(seq)
-            else:
-                self._emit(seq, text)
+            try:
+                if self._commit_one(seq, tokens, m, nd, count):
+                    done.append(seq)
+            except Exception as exc:  # noqa: BLE001 - this sequence's failure alone
+                if is_fatal(exc):
+                    raise
+                log.warning("request %s failed alone in commit: %s", seq.request_id, exc)
+                self.stats.isolated_failures += 1
+                self._fail(seq, exc)
         self._release(done)
+
+    def _commit_one(self, seq: Sequence, tokens: list[int], m: int, nd: int, count: bool) -> bool:
+        """Commit one sequence's round; True if it finished."""
+        if count:
+            seq.stats.observe(nd, m)
+        seq.output_ids.extend(tokens)
+        reason, keep = seq.stopper.check_tokens(seq.output_ids, len(tokens), seq.total_len)
+        if reason is not None:
+            del seq.output_ids[keep:]
+        text, stop_cut = self._text(seq)
+        if stop_cut is not None:
+            reason, text = "stop", text[:stop_cut]
+        if reason is None:
+            self._emit(seq, text)
+            return False
+        self._finish(seq, reason, text)
+        return True
 
     def _text(self, seq: Sequence) -> tuple[str, int | None]:
         text = seq.detokenizer.text(seq.output_ids)
@@ -479,9 +502,15 @@ class Engine:
         self.stats.observe_finish(seq)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        """Finish ``seq`` alone with the error (its stream gets ``RequestOutput.error``)."""
+        """Finish ``seq`` alone with the error (its stream gets ``RequestOutput.error``)
+        and free its state, even if telling its stream fails too."""
         seq.error = f"the engine failed on this request: {user_error_message(exc)}"
-        self._finish(seq, "error")
+        try:
+            self._finish(seq, "error", seq.emitted_text)
+        except Exception:  # noqa: BLE001 - its stream is broken: drop it from the engine
+            log.exception("could not report the failure of %s", seq.request_id)
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
         self._release([seq])
 
     def _release(self, seqs: list[Sequence]) -> None:

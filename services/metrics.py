@@ -68,6 +68,10 @@ class EngineStats:
         self.verify_s += verify_s
         self.round_s += round_s
         self.round_log.add(draft_s, verify_s, round_s)
+        self.observe_tokens(num_draft, num_accepted)
+
+    def observe_tokens(self, num_draft: list[int], num_accepted: list[int]) -> None:
+        """What a verify committed (a round's, or a part's of a round verified apart)."""
         for nd, m in zip(num_draft, num_accepted, strict=True):
             self.num_generated_tokens += m + 1
             self.spec.observe(nd, m)

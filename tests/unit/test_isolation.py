@@ -169,3 +169,29 @@ def test_tiny_top_p_co_batched_with_greedy_streams(tiny_checkpoints):
     # top-p keeps only the most likely token: the hostile request decodes greedily
     assert outs[2].token_ids == solo(path, ps[2], GREEDY)
     assert engine.stats.isolated_failures == 0
+
+
+def test_a_sequence_whose_commit_raises_finishes_alone(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    ps = prompts(3, 15)
+    alone = [solo(path, p, GREEDY) for p in ps[:2]]
+    engine = engine_for(path)
+    seqs = [engine.add_request(p, GREEDY) for p in ps]
+    calls = {"n": 0}
+    real = seqs[2].detokenizer.text
+
+    def broken(ids):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise UnicodeError("injected detokenizer failure")
+        return real(ids)
+
+    seqs[2].detokenizer.text = broken
+    finals = {}
+    for s in seqs:
+        s.on_output = lambda o: o.finished and finals.__setitem__(o.request_id, o)
+    while engine.has_unfinished():
+        engine.step()
+    assert "injected detokenizer failure" in finals[seqs[2].request_id].error
+    assert [finals[s.request_id].token_ids for s in seqs[:2]] == alone
+    assert engine.stats.isolated_failures == 1 and engine.target.kv_stats()["used_blocks"] == 0
