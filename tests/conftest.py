@@ -62,3 +62,6 @@ def smollm2_path() -> Path:
 
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from api import proxy_guard
+
+    proxy_guard.install()  # every Ray a test starts runs Serve's proxies behind the guard
