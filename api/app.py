@@ -26,19 +26,19 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from . import request_id
-from .auth import check_api_key
-from .errors import APIError, error_response, install_error_handlers, shutting_down, too_large
-from .lifecycle import Lifecycle
-from .middleware import ServingMiddleware
-from .protocol import (
+from api import request_id
+from api.auth import check_api_key
+from api.errors import APIError, error_response, install_error_handlers, shutting_down, too_large
+from api.lifecycle import Lifecycle
+from api.middleware import ServingMiddleware
+from api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
 )
-from .serving import OpenAIServing
+from api.serving import OpenAIServing
 
 WARNING_HEADER = "X-LongSpark-Warning"
 T = TypeVar("T")

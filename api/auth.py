@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from fastapi import Request
 
-from .errors import unauthorized
+from api.errors import unauthorized
 
 
 def key_matches(token: str, keys: Sequence[str]) -> bool:

@@ -25,30 +25,32 @@ anything else                                           500     internal_error
 ======================================================  ======  ========================
 
 Exceptions arriving from the engine deployment are Ray's wrappers around the original;
-:func:`services.errors.unwrap` finds the original first.
+:func:`services.engine.errors.unwrap` finds the original first.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.async_engine import EngineDeadError, EngineOverloaded, QueueTimeout, RequestFailed
-from services.errors import unwrap, user_error_message
-from services.sampling import InvalidRequest
-from target_actor.config import TargetConfigError
-
-from . import request_id
-from .protocol import ErrorInfo
+from api import request_id
+from api.protocol import ErrorInfo
+from services.engine.async_engine import (
+    EngineDeadError,
+    EngineOverloaded,
+    QueueTimeout,
+    RequestFailed,
+)
+from services.engine.errors import TargetConfigError, is_fatal, unwrap, user_error_message
+from services.engine.params import InvalidRequest
 
 log = logging.getLogger("longspark.api")
 
@@ -131,14 +133,24 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
+TRANSLATORS: list[Callable[[BaseException], APIError | None]] = []
+
+
+def add_translator(fn: Callable[[BaseException], APIError | None]) -> None:
+    """Map exceptions this package cannot name (Ray Serve's, from ``services.serving``)."""
+    if fn not in TRANSLATORS:
+        TRANSLATORS.append(fn)
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Map any exception (ours, pydantic's, Ray's, Serve's) to an :class:`APIError`."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, (ValidationError, RequestValidationError)):
         return _validation_error(list(exc.errors()))
-    if isinstance(exc, BackPressureError):
-        return busy("the server is busy; retry later")
+    for translate in TRANSLATORS:
+        if (err := translate(exc)) is not None:
+            return err
     cause = unwrap(exc)
     message = user_error_message(cause)
     if isinstance(cause, InvalidRequest):
@@ -149,9 +161,9 @@ def to_api_error(exc: BaseException) -> APIError:
         return busy(message)
     if isinstance(cause, QueueTimeout):
         return unavailable(message, "queue_timeout")
-    if isinstance(cause, (EngineDeadError, DeploymentUnavailableError)):
+    if isinstance(cause, EngineDeadError):
         return unavailable(str(cause), "replica_unavailable")
-    if isinstance(cause, RayActorError) or isinstance(exc, RayActorError):
+    if is_fatal(exc):  # a Ray actor of the replica died
         return unavailable("the model replica went away; retry", "replica_unavailable")
     if isinstance(cause, RequestFailed):
         return APIError(500, str(cause), "internal_error", None, "engine_error")

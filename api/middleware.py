@@ -10,9 +10,9 @@ from __future__ import annotations
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import request_id
-from .errors import error_response, shutting_down
-from .lifecycle import Lifecycle
+from api import request_id
+from api.errors import error_response, shutting_down
+from api.lifecycle import Lifecycle
 
 
 def is_generation(scope: Scope) -> bool:

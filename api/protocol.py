@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.sampling import InvalidRequest, SamplingParams
+from services.engine.params import InvalidRequest, SamplingParams
 
 # field -> the values that mean "not used" (accepted); anything else is a 400
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {

@@ -2,8 +2,8 @@
 
 The engine client is anything with ``generate(GenerateRequest)`` (an async iterator of
 ``RequestOutput`` deltas; errors raise before the first one), ``stats()`` and ``health()``:
-``services.async_engine.AsyncEngine`` in-process, or the Serve deployment handle wrapped
-by ``services.serve.ServeEngineClient``. Nothing here knows about Ray.
+``services.engine.async_engine.AsyncEngine`` in-process, or the Serve deployment handle wrapped
+by ``services.serving.app.ServeEngineClient``. Nothing here knows about Ray.
 
 Streaming: the first delta is awaited before the response starts, so a request the
 engine rejects gets a proper 4xx; after that, an error becomes an ``error`` event in the
@@ -16,12 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from services.async_engine import GenerateRequest
-from services.sampling import InvalidRequest, SamplingParams
-from services.sequence import RequestOutput, SpecStats
-
-from .errors import not_found, sse_error
-from .protocol import (
+from api.errors import not_found, sse_error
+from api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -40,6 +36,9 @@ from .protocol import (
     new_id,
     now,
 )
+from services.engine.async_engine import GenerateRequest
+from services.engine.params import InvalidRequest, SamplingParams
+from services.engine.sequence import RequestOutput, SpecStats
 
 
 class EngineClient(Protocol):

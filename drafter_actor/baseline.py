@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafter import Drafter
-from .network import DrafterNetwork, LayerContext
-from .state import DrafterStateError
+from drafter_actor.drafter import Drafter
+from drafter_actor.network import DrafterNetwork, LayerContext
+from drafter_actor.state import DrafterStateError
 
 PREFILL_CHUNK = 4096
 

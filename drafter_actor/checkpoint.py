@@ -14,10 +14,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from drafter_actor.config import DrafterConfig, DrafterConfigError
 from target_actor.config import ModelConfig
 from target_actor.weights import CheckpointReader
-
-from .config import DrafterConfig, DrafterConfigError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from target_actor.config import ModelConfig
+from target_actor.errors import LongSparkError
 
 
-class DrafterConfigError(ValueError):
+class DrafterConfigError(LongSparkError, ValueError):
     """The drafter config or checkpoint cannot be used (one-line message)."""
 
 

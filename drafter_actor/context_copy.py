@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .messages import HISTORY_TOKENS, Proposal
+from target_actor.messages import HISTORY_TOKENS, Proposal
 
 MAX_NGRAM = 8  # the longest suffix matched
 MIN_NGRAM = 2  # a match this long is copied without the network's agreement (the default)

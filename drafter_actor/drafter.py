@@ -17,15 +17,20 @@ from pathlib import Path
 
 import torch
 
+from drafter_actor.checkpoint import load_drafter_weights, load_target_head, save_drafter
+from drafter_actor.config import DrafterConfig, DrafterConfigError
+from drafter_actor.context_copy import apply_copies, copy_inputs, find_copy, is_sure
+from drafter_actor.markov import sample_block
+from drafter_actor.network import DrafterNetwork, LayerContext
+from drafter_actor.state import DrafterStateError, SequenceState
 from target_actor.config import ModelConfig
-
-from .checkpoint import load_drafter_weights, load_target_head, save_drafter
-from .config import DrafterConfig, DrafterConfigError
-from .context_copy import apply_copies, copy_inputs, find_copy, is_sure
-from .markov import sample_block
-from .messages import DraftRequest, PrefillViews, Proposal, RoundUpdate, scatter_proposal
-from .network import DrafterNetwork, LayerContext
-from .state import DrafterStateError, SequenceState
+from target_actor.messages import (
+    DraftRequest,
+    PrefillViews,
+    Proposal,
+    RoundUpdate,
+    scatter_proposal,
+)
 
 
 def draw_uniforms(

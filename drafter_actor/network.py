@@ -31,13 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafter_actor.config import DrafterConfig
+from drafter_actor.context_copy import MAX_NGRAM
+from drafter_actor.markov import MarkovHead
 from target_actor.config import ModelConfig
 from target_actor.model import rms_norm
 from target_actor.rope import RotaryTable, apply_rope
-
-from .config import DrafterConfig
-from .context_copy import MAX_NGRAM
-from .markov import MarkovHead
 
 
 @dataclass

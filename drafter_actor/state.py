@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import DrafterConfig
-from .messages import HISTORY_TOKENS, PrefillViews, RoundUpdate
-from .summary import update_summary
+from drafter_actor.config import DrafterConfig
+from target_actor.errors import LongSparkError
+from target_actor.messages import HISTORY_TOKENS, PrefillViews, RoundUpdate
+from target_actor.summary import update_summary
 
 
-class DrafterStateError(ValueError):
+class DrafterStateError(LongSparkError, ValueError):
     """A request does not fit the drafter's state (unknown sequence, wrong position)."""
 
 

@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 
+from drafter_actor.baseline import FullPrefixDrafter
+from drafter_actor.config import DrafterConfig, DrafterConfigError
+from drafter_actor.drafter import Drafter
 from target_actor.config import ModelConfig
-
-from .baseline import FullPrefixDrafter
-from .config import DrafterConfig, DrafterConfigError
-from .drafter import Drafter
-from .messages import DraftRequest, PrefillViews, Proposal, RoundUpdate
+from target_actor.messages import DraftRequest, PrefillViews, Proposal, RoundUpdate
 
 
 @dataclass(frozen=True)
@@ -129,6 +128,9 @@ class LocalDrafter:
     def num_states(self) -> int:
         return self.worker.num_states()
 
+    def drafting(self, seq_id: int) -> bool:
+        return True
+
     def shutdown(self) -> None:
         pass
 
@@ -136,9 +138,10 @@ class LocalDrafter:
 class RayDrafter:
     """The drafter as one Ray actor (``{"CPU": 1}`` by default, ``num_gpus`` on GPU hosts).
 
-    ``propose`` returns an ``ObjectRef`` that the target's verify call takes as it is, so
-    the proposal goes drafter -> target directly; ``prefill`` waits, so that a bad view
-    fails at admission rather than at the next round.
+    Every call waits for its result except ``update`` and ``free`` (fire and forget: the
+    actor runs calls in order); ``prefill`` waits so that a bad view fails at admission
+    rather than at the next round. ``services.engine.resilient_drafter`` adds time-outs
+    and restarts around the same actor.
     """
 
     def __init__(
@@ -172,8 +175,8 @@ class RayDrafter:
     def prefill(self, views: Any) -> None:
         self._ray.get(self.actor.prefill.remote(views))
 
-    def propose(self, requests: list[DraftRequest], k: int, updates: Any = None) -> Any:
-        return self.actor.propose.remote(requests, k, updates)
+    def propose(self, requests: list[DraftRequest], k: int, updates: Any = None) -> Proposal:
+        return self._ray.get(self.actor.propose.remote(requests, k, updates))
 
     def update(self, updates: Any) -> None:
         """Fire and forget: the actor applies it before the next call (actor order)."""
@@ -184,6 +187,9 @@ class RayDrafter:
 
     def num_states(self) -> int:
         return self._ray.get(self.actor.num_states.remote())
+
+    def drafting(self, seq_id: int) -> bool:
+        return True
 
     def shutdown(self) -> None:
         self._ray.kill(self.actor)

@@ -28,6 +28,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from .errors import LongSparkError
+
 log = logging.getLogger("longspark.checkpoint")
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -36,7 +38,7 @@ MARKER = ".longspark-ok"
 PIP_TIMEOUT_S = 900
 
 
-class ModelFetchError(RuntimeError):
+class ModelFetchError(LongSparkError, RuntimeError):
     """Fetching, converting, verifying or resolving a model failed (one-line message)."""
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import LongSparkError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -20,7 +22,7 @@ SUPPORTED_ARCHITECTURES = {
 DEFAULT_NUM_TAPS = 4
 
 
-class TargetConfigError(ValueError):
+class TargetConfigError(LongSparkError, ValueError):
     """The checkpoint or the requested settings cannot be served (one-line message)."""
 
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import LongSparkError
 
-class KVCacheFull(RuntimeError):
+
+class KVCacheFull(LongSparkError, RuntimeError):
     """The pool has no room for the requested tokens."""
 
 

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch import ForwardBatch, ForwardOutput
-from .config import ModelConfig
-from .kv_cache import KVCache
-from .linear import PackedWeights
-from .parallel import TPContext
-from .rope import RotaryTable, apply_rope
-from .weights import CheckpointReader
+from target_actor.batch import ForwardBatch, ForwardOutput
+from target_actor.config import ModelConfig
+from target_actor.kv_cache import KVCache
+from target_actor.linear import PackedWeights
+from target_actor.parallel import TPContext
+from target_actor.rope import RotaryTable, apply_rope
+from target_actor.weights import CheckpointReader
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -52,10 +52,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_actor.messages import Proposal
-
-from .batch import SeqSampling
-from .sampling import target_probs
+from target_actor.batch import SeqSampling
+from target_actor.messages import Proposal
+from target_actor.sampling import target_probs
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig, TargetConfigError
+from target_actor.config import ModelConfig, TargetConfigError
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

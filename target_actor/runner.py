@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from .batch import ForwardBatch, ForwardOutput
-from .config import DEFAULT_NUM_TAPS, ModelConfig, TargetConfigError
-from .kv_cache import KVCache, KVCacheFull
-from .model import TargetModel
-from .parallel import TPContext
-from .weights import CheckpointReader
+from target_actor.batch import ForwardBatch, ForwardOutput
+from target_actor.config import DEFAULT_NUM_TAPS, ModelConfig, TargetConfigError
+from target_actor.kv_cache import KVCache, KVCacheFull
+from target_actor.model import TargetModel
+from target_actor.parallel import TPContext
+from target_actor.weights import CheckpointReader
 
 log = logging.getLogger("longspark.target")
 

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from drafter_actor.messages import PrefillViews, Proposal, RoundUpdate
-from drafter_actor.summary import (
+from target_actor.batch import ForwardBatch, PrefillBatch, SeqSampling, StepResult, VerifyBatch
+from target_actor.messages import PrefillViews, Proposal, RoundUpdate
+from target_actor.rejection import rejection_sample
+from target_actor.runner import TargetRunner
+from target_actor.summary import (
     build_round_update,
     empty_summary,
     history_tensor,
     update_summary,
 )
-
-from .batch import ForwardBatch, PrefillBatch, SeqSampling, StepResult, VerifyBatch
-from .rejection import rejection_sample
-from .runner import TargetRunner
 
 PREFILL_TOKENS = 1024  # prompt tokens per prefill forward: bounds activations and masks
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import TargetConfigError
+from target_actor.config import TargetConfigError
 
 
 class CheckpointReader:

@@ -16,11 +16,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .batch import ForwardBatch, ForwardOutput, PrefillBatch, StepResult, VerifyBatch
-from .config import ModelConfig
-from .parallel import init_distributed
-from .runner import TargetRunner, TargetSpec
-from .verifier import Verifier
+from target_actor.batch import ForwardBatch, ForwardOutput, PrefillBatch, StepResult, VerifyBatch
+from target_actor.config import ModelConfig
+from target_actor.parallel import init_distributed
+from target_actor.runner import TargetRunner, TargetSpec
+from target_actor.verifier import Verifier
 
 
 def _free_port() -> int:

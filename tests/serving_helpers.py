@@ -58,7 +58,7 @@ def uvicorn_server(app: Any) -> Iterator[str]:
 
 @contextmanager
 def serve_app(args: dict[str, Any], name: str = "longspark", num_cpus: int = 8) -> Iterator[str]:
-    """The Serve app of ``services.serve.build_app(args)`` on a local Ray; its base URL.
+    """The Serve app of ``services.serving.app.build_app(args)`` on a local Ray; its base URL.
 
     Starts Ray (unless one runs already) and Serve on a free port; shuts both down after.
     """
@@ -66,7 +66,7 @@ def serve_app(args: dict[str, Any], name: str = "longspark", num_cpus: int = 8) 
     from ray import serve
 
     from api import proxy_guard
-    from services.serve import build_app
+    from services.serving.app import build_app
 
     started = not ray.is_initialized()
     if started:

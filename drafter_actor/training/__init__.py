@@ -4,9 +4,9 @@ Entry points: ``train_drafter(TrainConfig(...)) -> Path`` and ``evaluate_tau(...
 ``add_train_args`` / ``from_args`` expose ``TrainConfig`` on a command line.
 """
 
-from .config import TrainConfig, TrainError, add_train_args, from_args
-from .evaluate import evaluate_tau
-from .trainer import train_drafter
+from drafter_actor.training.config import TrainConfig, TrainError, add_train_args, from_args
+from drafter_actor.training.evaluate import evaluate_tau
+from drafter_actor.training.trainer import train_drafter
 
 __all__ = [
     "TrainConfig",

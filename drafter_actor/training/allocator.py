@@ -5,7 +5,7 @@ glibc serves blocks above its mmap threshold with fresh ``mmap`` pages and retur
 on free, so each step faults about a gigabyte of zeroed pages back in: half of the CPU
 time went to the kernel. Serving every block from the heap and never trimming it keeps
 those pages mapped from one step to the next: 2.08 -> 1.41 s a step for the default
-drafter on the 2-core CI machine (same 40 batches; docs/performance.md).
+drafter on the 2-core CI machine (same 40 batches; docs/experiments/performance.md).
 """
 
 from __future__ import annotations

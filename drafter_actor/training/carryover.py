@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..markov import sample_block
-from ..network import DrafterNetwork
-from .target_pass import TargetPass
-from .views import Anchors, AnchorViews, Batch, block_logits, build_views
+from drafter_actor.markov import sample_block
+from drafter_actor.network import DrafterNetwork
+from drafter_actor.training.target_pass import TargetPass
+from drafter_actor.training.views import Anchors, AnchorViews, Batch, block_logits, build_views
 
 
 def greedy_drafts(

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import load_drafter_weights, save_drafter
-from ..config import DrafterConfig
-from ..network import DrafterNetwork
+from drafter_actor.checkpoint import load_drafter_weights, save_drafter
+from drafter_actor.config import DrafterConfig
+from drafter_actor.network import DrafterNetwork
 
 TRAINER_STATE = "trainer.pt"
 

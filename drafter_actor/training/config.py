@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from target_actor.errors import LongSparkError
+
 MAX_K = 16  # the longest block trained (the engine's k is at most the drafter's block_size)
 CACHE_DTYPES = ("float16", "bfloat16", "float32")
 # fields that may change between a run and its resumption
@@ -20,7 +22,7 @@ RESUMABLE_CHANGES = {"steps", "ckpt_every", "keep_ckpts", "log_every", "resume",
 RESUMABLE_CHANGES |= {"progress", "cache_dir", "data_dir", "target", "out"}
 
 
-class TrainError(ValueError):
+class TrainError(LongSparkError, ValueError):
     """Bad training inputs or settings (one-line message)."""
 
 

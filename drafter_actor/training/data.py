@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainError, data_folders
+from drafter_actor.training.config import TrainError, data_folders
 
 
 @dataclass(frozen=True)

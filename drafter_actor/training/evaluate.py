@@ -25,17 +25,23 @@ from typing import Any
 
 import torch
 
+from drafter_actor.config import DrafterConfigError
+from drafter_actor.drafter import Drafter
+from drafter_actor.training.carryover import greedy_drafts
+from drafter_actor.training.config import MAX_K, TrainError
+from drafter_actor.training.data import Sequence, read_sequences, split_holdout
+from drafter_actor.training.tap_cache import TapCache
+from drafter_actor.training.target_pass import TargetPass
+from drafter_actor.training.trainer import HOLDOUT, TRAIN_CONFIG, resolve_target_path
+from drafter_actor.training.views import (
+    Anchors,
+    Batch,
+    block_labels,
+    block_logits,
+    build_views,
+    sample_anchors,
+)
 from target_actor.config import ModelConfig
-
-from ..config import DrafterConfigError
-from ..drafter import Drafter
-from .carryover import greedy_drafts
-from .config import MAX_K, TrainError
-from .data import Sequence, read_sequences, split_holdout
-from .tap_cache import TapCache
-from .target_pass import TargetPass
-from .trainer import HOLDOUT, TRAIN_CONFIG, resolve_target_path
-from .views import Anchors, Batch, block_labels, block_logits, build_views, sample_anchors
 
 
 @torch.no_grad()

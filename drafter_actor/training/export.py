@@ -15,11 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import WEIGHTS_NAME, save_drafter
-from ..config import DrafterConfigError
-from .checkpoint import list_checkpoints, saved_drafter, trainer_state
-from .config import TrainError
-from .trainer import TRAIN_CONFIG
+from drafter_actor.checkpoint import WEIGHTS_NAME, save_drafter
+from drafter_actor.config import DrafterConfigError
+from drafter_actor.training.checkpoint import list_checkpoints, saved_drafter, trainer_state
+from drafter_actor.training.config import TrainError
+from drafter_actor.training.trainer import TRAIN_CONFIG
 
 TRAINING_INFO = "training.json"
 LOCAL_KEYS = ("out", "data_dir", "target", "target_path", "cache_dir", "init_from")

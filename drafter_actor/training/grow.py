@@ -18,8 +18,8 @@ import dataclasses
 
 import torch
 
-from ..config import DrafterConfig
-from .config import TrainError
+from drafter_actor.config import DrafterConfig
+from drafter_actor.training.config import TrainError
 
 
 def grow_weights(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..network import DrafterNetwork
+from drafter_actor.network import DrafterNetwork
 
 
 def slot_weights(k: int, gamma: float) -> torch.Tensor:

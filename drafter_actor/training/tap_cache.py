@@ -30,9 +30,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import TrainError
-from .data import Sequence
-from .target_pass import TargetPass
+from drafter_actor.training.config import TrainError
+from drafter_actor.training.data import Sequence
+from drafter_actor.training.target_pass import TargetPass
 
 log = logging.getLogger("longspark.train")
 

@@ -25,28 +25,31 @@ from typing import Any
 
 import torch
 
-from target_actor.config import ModelConfig, TargetConfigError, default_tap_layer_ids
-from target_actor.runner import TargetRunner, TargetSpec
-
-from ..checkpoint import load_target_head, save_drafter
-from ..config import DrafterConfig, DrafterConfigError
-from ..network import DrafterNetwork
-from .carryover import draft_verify
-from .checkpoint import (
+from drafter_actor.checkpoint import load_target_head, save_drafter
+from drafter_actor.config import DrafterConfig, DrafterConfigError
+from drafter_actor.network import DrafterNetwork
+from drafter_actor.training.carryover import draft_verify
+from drafter_actor.training.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
     saved_drafter,
     trainer_state,
 )
-from .config import TrainConfig, TrainError
-from .data import Sequence, draft_vocabulary, read_sequences, repeat_by_folder, split_holdout
-from .grow import grow_weights
-from .objective import BlockStats, block_loss
-from .revocab import remap_draft_vocab
-from .tap_cache import build_tap_cache
-from .target_pass import TargetPass
-from .views import (
+from drafter_actor.training.config import TrainConfig, TrainError
+from drafter_actor.training.data import (
+    Sequence,
+    draft_vocabulary,
+    read_sequences,
+    repeat_by_folder,
+    split_holdout,
+)
+from drafter_actor.training.grow import grow_weights
+from drafter_actor.training.objective import BlockStats, block_loss
+from drafter_actor.training.revocab import remap_draft_vocab
+from drafter_actor.training.tap_cache import build_tap_cache
+from drafter_actor.training.target_pass import TargetPass
+from drafter_actor.training.views import (
     Anchors,
     AnchorViews,
     Batch,
@@ -55,6 +58,8 @@ from .views import (
     build_views,
     sample_anchors,
 )
+from target_actor.config import ModelConfig, TargetConfigError, default_tap_layer_ids
+from target_actor.runner import TargetRunner, TargetSpec
 
 log = logging.getLogger("longspark.train")
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..context_copy import copies_in_text
-from ..network import DrafterNetwork, LayerContext
+from drafter_actor.context_copy import copies_in_text
+from drafter_actor.network import DrafterNetwork, LayerContext
 
 NEG = -1e30  # "no row": exp(NEG - x) == 0 for any finite score x, and never NaN
 

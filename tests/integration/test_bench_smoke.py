@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def run_cli(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     """``longspark ARGS`` in a child process group (killed whole if it overruns)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "services.cli.main", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

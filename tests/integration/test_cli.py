@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "services.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=300,

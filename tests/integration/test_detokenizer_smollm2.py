@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from services.detokenizer import IncrementalDetokenizer
-from services.tokenizer import Tokenizer
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

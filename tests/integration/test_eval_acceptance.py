@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.eval_acceptance import eval_acceptance
-from services.prompts import BENCHMARK_SETS
+from services.bench.eval_acceptance import eval_acceptance
+from services.data.prompts import BENCHMARK_SETS
 
 pytestmark = pytest.mark.slow
 

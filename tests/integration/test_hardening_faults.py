@@ -2,13 +2,13 @@
 the drafter behind ``ResilientDrafter``) served over HTTP on 127.0.0.1.
 
 The replica is built exactly as a Serve engine replica builds it
-(``services.serve_engine.build_replica_engine``) around a tiny random model, and the app
+(``services.serving.replica.build_replica_engine``) around a tiny random model, and the app
 is served by uvicorn in a thread, so one module-wide set-up (seconds) covers:
 
 * the drafter SIGKILLed mid-stream, and the drafter stalled past its time-out: decoding
   goes on plain, greedy output stays token-identical to plain decoding, a fresh drafter
   takes over;
-* the small load test (``services.loadtest``): streaming and not, greedy and sampled,
+* the small load test (``services.bench.loadtest``): streaming and not, greedy and sampled,
   random disconnects, one drafter kill; nothing leaked at the end;
 * a target rank SIGKILLed (last: it ends the replica): in-flight and new requests get
   clear 503s with Retry-After, none hangs, ``/health`` fails.
@@ -43,9 +43,9 @@ def replica(ray_local, tiny_path):
     """(base URL, AsyncEngine) of one engine replica behind the OpenAI app."""
     from api.app import create_app
     from api.serving import OpenAIServing, ServingSettings
-    from services.async_engine import AsyncEngine, EngineLimits
-    from services.serve_config import ServeArgs
-    from services.serve_engine import build_replica_engine
+    from services.engine.async_engine import AsyncEngine, EngineLimits
+    from services.serving.config import ServeArgs
+    from services.serving.replica import build_replica_engine
 
     args = ServeArgs(
         target=str(tiny_path),
@@ -81,7 +81,7 @@ def replica(ray_local, tiny_path):
 
 @pytest.fixture(scope="module")
 def plain(tiny_path):
-    from services.backends import EngineOptions, build_engine
+    from services.engine.backends import EngineOptions, build_engine
 
     engine, close = build_engine(EngineOptions(target=str(tiny_path), mode="ar"))
     yield engine
@@ -89,7 +89,7 @@ def plain(tiny_path):
 
 
 def plain_ids(plain, prompt: str, n: int) -> list[int]:
-    from services.sampling import SamplingParams
+    from services.engine.params import SamplingParams
 
     ids = plain.tok.encode(prompt)
     return plain.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
@@ -176,7 +176,7 @@ def test_drafter_stalled_past_its_timeout_decoding_goes_on(replica, plain):
 
 
 def test_small_load_test_loses_nothing(replica, tiny_path):
-    from services.loadtest import LoadTestConfig, run
+    from services.bench.loadtest import LoadTestConfig, run
 
     url, _ = replica
     cfg = LoadTestConfig(

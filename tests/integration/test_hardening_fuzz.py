@@ -40,8 +40,8 @@ SEEN: dict[int, int] = {}  # status -> count, reported at the end
 def fuzz_server(tmp_path_factory):
     from api.app import create_app
     from api.serving import OpenAIServing, ServingSettings
-    from services.async_engine import AsyncEngine, EngineLimits
-    from services.backends import EngineOptions, build_engine
+    from services.engine.async_engine import AsyncEngine, EngineLimits
+    from services.engine.backends import EngineOptions, build_engine
 
     path = make_tiny_chat_model(tmp_path_factory.mktemp("fuzz"), max_position_embeddings=512)
     opts = EngineOptions(

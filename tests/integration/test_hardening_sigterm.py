@@ -39,7 +39,7 @@ def server_process(tmp_path):
     log = (tmp_path / "serve.log").open("w")
     config = tmp_path / "serve.yaml"  # tiny queues, so overload is easy to reach
     config.write_text(
-        "applications:\n  - name: longspark\n    import_path: services.serve:build_app\n"
+        "applications:\n  - name: longspark\n    import_path: services.serving.app:build_app\n"
         "    args: {cpus_per_actor: 0.5, max_ongoing_requests: 2, max_queued_requests: 1}\n"
     )
     cmd = [str(LONGSPARK), "serve", "--target", str(path), "--drafter", "random", "--k", "2"]

@@ -47,7 +47,7 @@ def server(smollm2_path):
 @pytest.fixture(scope="module")
 def plain(smollm2_path):
     """Plain greedy decoding in this process (TP=1), the reference for every output."""
-    from services.backends import EngineOptions, build_engine
+    from services.engine.backends import EngineOptions, build_engine
 
     engine, close = build_engine(EngineOptions(target=str(smollm2_path), mode="ar"))
     yield engine
@@ -55,7 +55,7 @@ def plain(smollm2_path):
 
 
 def plain_ids(plain, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from services.sampling import SamplingParams
+    from services.engine.params import SamplingParams
 
     outs = plain.generate(prompts, SamplingParams(max_tokens=n))
     return [o.token_ids for o in outs]

@@ -21,8 +21,8 @@ import math
 import pytest
 import torch
 
-from services.backends import EngineOptions, build_engine
-from services.sampling import SamplingParams
+from services.engine.backends import EngineOptions, build_engine
+from services.engine.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.backends import EngineOptions, build_engine
-from services.sampling import SamplingParams
+from services.engine.backends import EngineOptions, build_engine
+from services.engine.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def chats(smollm2_path):
-    from services.tokenizer import Tokenizer
+    from services.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_path)
     return [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -61,7 +61,7 @@ WEIGHTS = Path(__file__).resolve().parents[2] / "drafter_actor" / "weights"
 def _trained() -> list[str]:
     """The committed trained drafters: the shipped (default) one and the opt-in versions
     (``SmolLM2-135M-Instruct-v<N>``)."""
-    from services.backends import shipped_drafter
+    from services.engine.backends import shipped_drafter
     from target_actor.checkpoint import default_model_dir
 
     shipped = shipped_drafter(default_model_dir())

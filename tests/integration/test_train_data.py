@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from services.prompts import load_prompts, normalise
-from services.tokenizer import Tokenizer
-from services.train_data import generate_training_data, read_training_data
+from services.data.prompts import load_prompts, normalise
+from services.data.train_data import generate_training_data, read_training_data
+from services.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +44,8 @@ def test_smollm2_answers_sharegpt_prompts(smollm2_path, tmp_path):
 
 
 def test_sharegpt_replies_make_records_without_benchmark_text(smollm2_path, tmp_path):
-    from services.prompts import BENCHMARK_SETS, OverlapIndex, load_sharegpt_replies
-    from services.train_replies import build_reply_data
+    from services.data.prompts import BENCHMARK_SETS, OverlapIndex, load_sharegpt_replies
+    from services.data.train_replies import build_reply_data
 
     replies = load_sharegpt_replies()
     bench = OverlapIndex(p for s in BENCHMARK_SETS.values() for p in load_prompts(s))

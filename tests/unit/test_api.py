@@ -15,9 +15,9 @@ import pytest
 
 from api.app import WARNING_HEADER, create_app
 from api.serving import OpenAIServing, ServingSettings
-from services.async_engine import AsyncEngine, GenerateRequest, RequestFailed
-from services.backends import EngineOptions, build_engine
-from services.sampling import SamplingParams
+from services.engine.async_engine import AsyncEngine, GenerateRequest, RequestFailed
+from services.engine.backends import EngineOptions, build_engine
+from services.engine.params import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 
 MODEL = "tiny-chat"

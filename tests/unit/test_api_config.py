@@ -9,11 +9,11 @@ import torch
 import yaml
 
 from api.errors import to_api_error
-from drafter_actor.messages import Proposal, scatter_proposal
-from services.async_engine import EngineDeadError
-from services.sampling import InvalidRequest
-from services.serve_config import API_KEY_ENV, ServeArgs
-from services.serve_launch import DEFAULT_CONFIG, settings_from
+from services.engine.async_engine import EngineDeadError
+from services.engine.params import InvalidRequest
+from services.serving.config import API_KEY_ENV, ServeArgs
+from services.serving.launch import DEFAULT_CONFIG, settings_from
+from target_actor.messages import Proposal, scatter_proposal
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -23,7 +23,7 @@ def app_args(doc: dict) -> ServeArgs:
 
     schema = ServeDeploySchema.model_validate(doc)
     (app,) = schema.applications
-    assert app.import_path == "services.serve:build_app"
+    assert app.import_path == "services.serving.app:build_app"
     return ServeArgs.model_validate(app.args)
 
 
@@ -54,7 +54,7 @@ def test_kuberay_service_embeds_a_valid_serve_config():
 
 
 def test_cli_defaults_come_from_local_cpu_yaml_and_options_override():
-    from services.cli import build_parser
+    from services.cli.main import build_parser
 
     args = build_parser().parse_args(["serve"])
     app, host, port = settings_from(args)
@@ -85,6 +85,8 @@ def test_serve_args_resolution(tiny_checkpoints, monkeypatch):
 def test_error_mapping_for_wrapped_and_serve_errors():
     from ray.exceptions import RayTaskError
     from ray.serve.exceptions import BackPressureError
+
+    import services.serving.errors  # noqa: F401 - Serve's exceptions are mapped there
 
     wrapped = RayTaskError("generate", "tb", InvalidRequest("top_p must lie in (0, 1]", "top_p"))
     err = to_api_error(wrapped.as_instanceof_cause())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from services.serve_metrics import series_names
+from services.serving.metrics import series_names
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 NAME = re.compile(r"longspark:[A-Za-z0-9_]+")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from services.metrics import EngineStats, TimingLog
-from services.serve_metrics import COUNTERS, GAUGES, HISTOGRAMS, EngineMetrics, series_names
+from services.engine.metrics import EngineStats, TimingLog
+from services.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, EngineMetrics, series_names
 
 
 class Recorder:

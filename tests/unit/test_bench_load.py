@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.benchmarks import long_prompts as lp
-from services.benchmarks.http_load import RequestRecord, run_level, send_one
-from services.benchmarks.plot import plot_throughput
-from services.benchmarks.summary import percentiles_ms, summarize_level
+from services.bench import long_prompts as lp
+from services.bench.http_load import RequestRecord, run_level, send_one
+from services.bench.plot import plot_throughput
+from services.bench.summary import percentiles_ms, summarize_level
 
 
 def chunk(text=None, usage=None, extras=None):

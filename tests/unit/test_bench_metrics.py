@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from services.benchmarks import commands, metrics_check, prom
-from services.benchmarks.metrics_check import MetricsWatch, Observed, compare
+from services.bench import metrics_check, prom
+from services.bench.metrics_check import MetricsWatch, Observed, compare
+from services.cli import bench as bench_cli
 
 RAY_LABELS = (
     'Component="core_worker",NodeAddress="10.0.0.1",SessionName="s",Version="2.60.0",'
@@ -118,18 +120,16 @@ def test_discover_reads_rays_service_discovery_file(tmp_path):
 
 
 def test_a_failed_check_makes_the_command_exit_nonzero(monkeypatch, tmp_path, capsys):
-    from services.cli import main
+    from services.cli.main import main
 
     report = {"ok": False, "problems": ["spec C=1: metrics disagree: output_tokens_total"]}
-    monkeypatch.setattr(commands, "_throughput", lambda args: report)
+    monkeypatch.setattr(bench_cli, "_throughput", lambda args: report)
     out = tmp_path / "r.json"
     assert main(["bench", "throughput", "--concurrency", "1", "--json", str(out)]) == 2
     assert json.loads(out.read_text()) == report  # the report is written before failing
     assert "metrics disagree" in capsys.readouterr().err
-    with pytest.raises(commands.BenchFailed):
-        commands.run_bench_command(
-            commands.argparse.Namespace(bench_command="throughput", json=None, plot=None)
-        )
+    with pytest.raises(bench_cli.BenchFailed):
+        bench_cli.run(argparse.Namespace(bench_command="throughput", json=None, plot=None))
 
 
 def test_matches_cover_every_client_side_count():

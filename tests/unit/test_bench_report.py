@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.benchmarks.throughput import _compare, _problems
+from services.bench.throughput import _compare, _problems
 
 
 def stage(name, tps, tpot, ids, tau=None, failed=0, modes=("ar",), check_ok=True):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from drafter_actor.context_copy import MAX_NGRAM, apply_copies, find_copy
-from drafter_actor.messages import Proposal
+from target_actor.messages import Proposal
 
 
 def ids(*xs: int) -> torch.Tensor:

@@ -5,16 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.copy_drafts import CopyCandidate, CopyPlanner, copy_proposal, find_candidate
-from services.engine import Engine, EngineConfig
-from services.ngram_index import NgramIndex
-from services.sampling import SamplingParams
-from services.spec_policy import LinearCost, SpecPolicy
+from services.engine.adaptive.copies import (
+    CopyCandidate,
+    CopyPlanner,
+    copy_proposal,
+    find_candidate,
+)
+from services.engine.adaptive.ngram_index import NgramIndex
+from services.engine.adaptive.policy import LinearCost, SpecPolicy
+from services.engine.core import Engine, EngineConfig
+from services.engine.params import SamplingParams
 from target_actor.runner import TargetSpec
 from target_actor.worker import LocalTarget
-
-from .test_engine import ByteTokenizer, prompts, random_drafter
-from .test_spec_policy import Scripted
+from tests.unit.test_engine import ByteTokenizer, prompts, random_drafter
+from tests.unit.test_spec_policy import Scripted
 
 
 def cost(a: float, b: float) -> LinearCost:
@@ -118,7 +122,7 @@ def test_copy_rounds_equal_plain_decoding_and_keep_the_drafter_in_sync(tiny_chec
             random_drafter(path, k=4),
             EngineConfig(k=4, adaptive=True, copy_drafts=True),
         )
-        engine.policy = policy
+        engine.planner.policy = policy
         outs = engine.generate(ps, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
         assert engine.stats.copy_drafts > 0
@@ -129,6 +133,9 @@ def test_copies_off_by_default_and_without_the_adaptive_policy(tiny_checkpoints)
     path = tiny_checkpoints["llama"]
     target = LocalTarget(TargetSpec(str(path), kv_cache_tokens=1024))
     drafter = random_drafter(path, k=4)
-    assert Engine(target, ByteTokenizer(), drafter, EngineConfig(k=4, adaptive=True)).copier is None
+    assert (
+        Engine(target, ByteTokenizer(), drafter, EngineConfig(k=4, adaptive=True)).planner.copier
+        is None
+    )
     fixed = Engine(target, ByteTokenizer(), drafter, EngineConfig(k=4, copy_drafts=True))
-    assert fixed.copier is None
+    assert fixed.planner.copier is None

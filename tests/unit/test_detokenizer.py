@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from services.detokenizer import IncrementalDetokenizer
+from services.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "plain ascii, then accents: café, naïve, Ærøskøbing",

@@ -10,12 +10,12 @@ import torch
 from drafter_actor.baseline import FullPrefixDrafter, FullPrefixUpdate, FullPrefixViews
 from drafter_actor.config import DrafterConfig, DrafterConfigError
 from drafter_actor.drafter import Drafter
-from drafter_actor.messages import HISTORY_TOKENS, DraftRequest, PrefillViews, RoundUpdate
 from drafter_actor.state import DrafterStateError, SequenceState
-from drafter_actor.summary import build_prefill_views, build_round_update
 from drafter_actor.worker import DrafterSpec, DrafterWorker, LocalDrafter
 from target_actor.batch import ForwardBatch
+from target_actor.messages import HISTORY_TOKENS, DraftRequest, PrefillViews, RoundUpdate
 from target_actor.runner import TargetRunner, TargetSpec
+from target_actor.summary import build_prefill_views, build_round_update
 from tests.conftest import make_tiny_checkpoint
 
 K, W = 5, 8

@@ -10,8 +10,8 @@ from safetensors import safe_open
 
 from drafter_actor.config import DrafterConfig, DrafterConfigError
 from drafter_actor.drafter import Drafter
-from drafter_actor.messages import DraftRequest, PrefillViews
 from target_actor.config import ModelConfig
+from target_actor.messages import DraftRequest, PrefillViews
 from tests.conftest import make_tiny_checkpoint
 
 

@@ -8,8 +8,8 @@ import torch
 from drafter_actor.config import DrafterConfig
 from drafter_actor.markov import MarkovHead, sample_block
 from drafter_actor.network import DrafterNetwork, LayerContext
-from drafter_actor.summary import attend_rows
 from target_actor.config import ModelConfig
+from target_actor.summary import attend_rows
 
 TARGET = ModelConfig.from_dict(
     {

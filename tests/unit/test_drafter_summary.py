@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_actor.summary import (
+from target_actor.summary import (
     attend_rows,
     build_prefill_views,
     build_round_update,
@@ -137,7 +137,7 @@ def test_summary_module_imports_only_torch():
     import ast
     import inspect
 
-    import drafter_actor.summary as summary
+    import target_actor.summary as summary
 
     tree = ast.parse(inspect.getsource(summary))
     imported = {
@@ -146,4 +146,4 @@ def test_summary_module_imports_only_torch():
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in node.names
     }
-    assert imported <= {"__future__", "torch", "messages"}, imported
+    assert imported <= {"__future__", "torch", "target_actor.messages"}, imported

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from services.engine import Engine, EngineConfig
-from services.sampling import InvalidRequest, SamplingParams
+from services.engine.core import Engine, EngineConfig
+from services.engine.params import InvalidRequest, SamplingParams
 from target_actor.config import TargetConfigError
 from target_actor.runner import TargetSpec
 from target_actor.worker import LocalTarget

@@ -1,11 +1,11 @@
-"""tau and its standard error over prompts (``services.eval_acceptance.tau_of``)."""
+"""tau and its standard error over prompts (``services.bench.eval_acceptance.tau_of``)."""
 
 from __future__ import annotations
 
 import random
 import statistics
 
-from services.eval_acceptance import tau_of
+from services.bench.eval_acceptance import tau_of
 
 
 def test_tau_is_accepted_over_rounds_plus_one():

@@ -23,9 +23,9 @@ from api.app import create_app
 from api.errors import to_api_error
 from api.lifecycle import Lifecycle
 from api.serving import OpenAIServing, ServingSettings
-from services.async_engine import AsyncEngine, EngineLimits, GenerateRequest
-from services.backends import EngineOptions, build_engine
-from services.sampling import SamplingParams
+from services.engine.async_engine import AsyncEngine, EngineLimits, GenerateRequest
+from services.engine.backends import EngineOptions, build_engine
+from services.engine.params import SamplingParams
 from tests.serving_helpers import freed, uvicorn_server, wait_stats
 from tests.unit.test_api import make_tiny_chat_model
 
@@ -201,6 +201,8 @@ def test_queue_timeout_answers_503_with_retry_after(engines):
 def test_serve_back_pressure_is_429_with_retry_after():
     from ray.serve.exceptions import BackPressureError
 
+    import services.serving.errors  # noqa: F401 - Serve's exceptions are mapped there
+
     err = to_api_error(BackPressureError(num_queued_requests=9, max_queued_requests=8))
     assert (err.status, err.code) == (429, "server_busy") and "Retry-After" in err.headers()
 
@@ -254,7 +256,7 @@ def test_keys_compared_in_constant_time_against_every_key(monkeypatch):
 
 
 def test_api_keys_from_env_and_file(tiny_checkpoints, tmp_path, monkeypatch):
-    from services.serve_config import API_KEY_ENV, API_KEY_FILE_ENV, ServeArgs
+    from services.serving.config import API_KEY_ENV, API_KEY_FILE_ENV, ServeArgs
 
     key_file = tmp_path / "keys"
     key_file.write_text("# rotated monthly\nfile-key-1\n\nfile-key-2  # old\n")
@@ -266,8 +268,8 @@ def test_api_keys_from_env_and_file(tiny_checkpoints, tmp_path, monkeypatch):
 
 
 def test_binds_localhost_unless_told():
-    from services.cli import build_parser
-    from services.serve_launch import settings_from
+    from services.cli.main import build_parser
+    from services.serving.launch import settings_from
 
     _, host, _ = settings_from(build_parser().parse_args(["serve"]))
     assert host == "127.0.0.1"
@@ -343,8 +345,8 @@ def test_request_id_echoed_in_errors_and_logs(engines, caplog):
 def test_no_pickle_or_eval_of_client_input():
     """Nothing on the request path deserialises with pickle, evaluates code or loads YAML
     unsafely: bodies are JSON parsed by pydantic, chat templates render in Jinja's sandbox."""
-    files = [*ROOT.glob("api/*.py"), ROOT / "services/async_engine.py"]
-    files += ROOT.glob("services/serve*.py")
+    files = [*ROOT.glob("api/*.py"), ROOT / "services/engine/async_engine.py"]
+    files += ROOT.glob("services/serving/*.py")
     pattern = re.compile(r"\b(pickle|marshal|cloudpickle|shelve)\b|\beval\(|\bexec\(|yaml\.load\(")
     for path in files:
         for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -472,14 +474,14 @@ def test_disconnects_at_any_point_free_the_sequence(engines):
 
 # -- the load test's own guard rails ----------------------------------------------------
 def test_loadtest_only_targets_loopback(capsys):
-    from services.cli import main
+    from services.cli.main import main
 
     assert main(["loadtest", "--url", "http://10.1.2.3:8000", "--requests", "1"]) == 2
     assert "loopback" in capsys.readouterr().err
 
 
 def test_loadtest_plan_is_bounded_and_mixed():
-    from services.loadtest import LoadTestConfig, plan
+    from services.bench.loadtest import LoadTestConfig, plan
 
     jobs = plan(LoadTestConfig(requests=300, disconnect_fraction=0.2, sampled_fraction=0.3))
     assert len(jobs) == 300

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import Engine, EngineConfig
-from services.sampling import SamplingParams
+from services.engine.core import Engine, EngineConfig
+from services.engine.params import SamplingParams
 from target_actor.runner import TargetSpec
 from target_actor.sampling import target_probs
 from target_actor.worker import LocalTarget

@@ -7,7 +7,7 @@ import random
 import torch
 
 from drafter_actor.context_copy import MIN_NGRAM, find_copy
-from services.ngram_index import NgramIndex
+from services.engine.adaptive.ngram_index import NgramIndex
 
 
 def scan(ids: list[int], window: int, limit: int) -> tuple[list[int], int]:

@@ -1,5 +1,5 @@
-"""Picking training prompts by kind (services.prompt_focus) and generating data from a
-focused, skipped slice of the seeded order (services.train_data)."""
+"""Picking training prompts by kind (services.data.focus) and generating data from a
+focused, skipped slice of the seeded order (services.data.train_data)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from services.prompt_focus import FocusError, focus_pool, kind_of, parse_kinds
-from services.prompts import Prompt
-from services.train_data import TrainDataError, generate_training_data, read_training_data
+from services.data.focus import FocusError, focus_pool, kind_of, parse_kinds
+from services.data.prompts import Prompt
+from services.data.train_data import TrainDataError, generate_training_data, read_training_data
 from tests.unit.test_train_data import chat_target  # noqa: F401 - the fixture
 
 

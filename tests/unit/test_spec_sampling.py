@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from services.engine import Engine, EngineConfig
-from services.sampling import SamplingParams
-from services.spec_policy import SpecPolicy
+from services.engine.adaptive.policy import SpecPolicy
+from services.engine.core import Engine, EngineConfig
+from services.engine.params import SamplingParams
 from target_actor.batch import ForwardBatch
 from target_actor.runner import TargetSpec
 from target_actor.worker import LocalTarget
@@ -110,8 +110,8 @@ def test_joint_of_first_three_tokens_matches_target(
     )
     engine = Engine(target, Letters(), drafter, config)
     if engine_copy:
-        engine.policy = NetworkNever(2)
-        engine.copier.plan = lambda candidates, batch, verify: candidates  # all draft
+        engine.planner.policy = NetworkNever(2)
+        engine.planner.copier.plan = lambda candidates, batch, verify: candidates  # all draft
     torch.manual_seed(0)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
     outs = engine.generate(

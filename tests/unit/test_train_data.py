@@ -8,10 +8,10 @@ import string
 
 import pytest
 
-from services import train_data as TD
-from services.prompts import Prompt
-from services.tokenizer import Tokenizer
-from services.train_data import TrainDataError, generate_training_data, read_training_data
+from services.data import train_data as TD
+from services.data.prompts import Prompt
+from services.data.train_data import TrainDataError, generate_training_data, read_training_data
+from services.engine.tokenizer import Tokenizer
 from tests.conftest import make_tiny_checkpoint
 
 SPECIAL = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -194,11 +194,11 @@ def test_malformed_folders_are_one_line_errors(chat_target, tmp_path, monkeypatc
         run(d, chat_target, n=8)
 
 
-# -- ShareGPT's own replies (services.train_replies) ---------------------------------------
+# -- ShareGPT's own replies (services.data.train_replies) ---------------------------------------
 
 
 def test_reply_data_keeps_replies_after_the_skipped_prompts(chat_target, tmp_path):
-    from services.train_replies import build_reply_data
+    from services.data.train_replies import build_reply_data
 
     pool = prompts(10)
     replies = {p.id: f"Answer {i}." for i, p in enumerate(pool)}

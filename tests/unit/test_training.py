@@ -13,8 +13,6 @@ from safetensors.torch import load_file, save_file
 from drafter_actor.config import DrafterConfig
 from drafter_actor.context_copy import MAX_NGRAM, copy_inputs, find_copy
 from drafter_actor.drafter import Drafter
-from drafter_actor.messages import DraftRequest
-from drafter_actor.summary import build_prefill_views, build_round_update, update_summary
 from drafter_actor.training import TrainConfig, TrainError, evaluate_tau, train_drafter
 from drafter_actor.training.carryover import greedy_drafts, shift_anchors
 from drafter_actor.training.checkpoint import saved_drafter
@@ -33,7 +31,9 @@ from drafter_actor.training.views import (
 )
 from target_actor.batch import ForwardBatch
 from target_actor.config import ModelConfig
+from target_actor.messages import DraftRequest
 from target_actor.runner import TargetRunner, TargetSpec
+from target_actor.summary import build_prefill_views, build_round_update, update_summary
 from tests.conftest import make_tiny_checkpoint
 
 VOCAB, EOS = 97, 2

@@ -1,0 +1,1 @@
+"""The ``longspark`` command line (``services.cli.main:main``)."""

@@ -1,0 +1,69 @@
+"""Option groups several subcommands share (target, engine, sampling)."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.cli.types import positive_int
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target",
+        default=None,
+        help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)",
+    )
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (Ray actors)")
+    p.add_argument("--dtype", default="float32", help="weight dtype: float32 (default) or bfloat16")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mode",
+        choices=["spec", "ar"],
+        default="spec",
+        help="spec = speculative decoding (default), ar = plain decoding",
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter folder (default: the shipped drafter; 'random' = untrained)",
+    )
+    p.add_argument("--k", type=positive_int, default=None, help="draft tokens per round")
+    p.add_argument("--no-carry", action="store_true", help="turn Carryover off (ablation)")
+    p.add_argument(
+        "--fixed-k",
+        action="store_true",
+        help="draft k tokens every round (default: adapt k per round, 0 when drafting cannot pay)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["local", "ray"],
+        default="local",
+        help="local = one process; ray = target TP ranks and drafter as Ray actors",
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def engine_options(args: argparse.Namespace):
+    from services.engine.backends import EngineOptions
+
+    return EngineOptions(
+        target=args.target,
+        tp=args.tp,
+        dtype=args.dtype,
+        mode=getattr(args, "mode", "ar"),
+        drafter=getattr(args, "drafter", None),
+        k=getattr(args, "k", None),
+        adaptive=not getattr(args, "fixed_k", False),
+        carry=not getattr(args, "no_carry", False),
+        backend=getattr(args, "backend", "local"),
+    )

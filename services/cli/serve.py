@@ -1,0 +1,85 @@
+"""``longspark serve``: the OpenAI API on Ray Serve (``services.serving.launch``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.cli.types import positive_int as _positive_int
+from services.serving.launch import DEFAULT_CONFIG
+
+
+def add_parser(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="serve an OpenAI-compatible API (Ray Serve) on 127.0.0.1:8000"
+    )
+    add_serve_args(serve)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The ``serve`` subcommand's options (unset ones come from the config file)."""
+    http = p.add_argument_group("HTTP")
+    http.add_argument("--host", default=None, help="bind address (default: 127.0.0.1)")
+    http.add_argument("--port", type=_positive_int, default=None, help="port (default: 8000)")
+    http.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY'; several comma-separated "
+        "(default: $LONGSPARK_API_KEY; unset = open)",
+    )
+    http.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file of accepted keys, one per line (default: $LONGSPARK_API_KEY_FILE)",
+    )
+    http.add_argument(
+        "--cors-origin",
+        action="append",
+        default=None,
+        help="allow this browser origin (repeatable; default: CORS off)",
+    )
+    http.add_argument(
+        "--grace-period",
+        type=float,
+        default=None,
+        help="on SIGTERM, seconds in-flight requests may take to finish (default: 30)",
+    )
+    http.add_argument(
+        "--max-tokens-limit",
+        type=_positive_int,
+        default=None,
+        help="largest max_tokens a request may ask for (default: 4096)",
+    )
+    http.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
+    model = p.add_argument_group("model and engine")
+    model.add_argument("--target", default=None, help="local HF folder (default: SmolLM2-135M)")
+    model.add_argument("--tp", type=_positive_int, default=None, help="target TP degree")
+    model.add_argument("--mode", choices=["spec", "ar"], default=None, help="spec or plain (ar)")
+    model.add_argument(
+        "--drafter", default=None, help="drafter folder or 'random' (default: the shipped one)"
+    )
+    model.add_argument("--k", type=_positive_int, default=None, help="draft tokens per round")
+    model.add_argument(
+        "--fixed-k",
+        dest="adaptive",
+        action="store_const",
+        const=False,
+        default=None,
+        help="draft k every round (default: adapt k per round, plain when drafting cannot pay)",
+    )
+    model.add_argument(
+        "--max-num-seqs", type=_positive_int, default=None, help="running sequences per replica"
+    )
+    scale = p.add_argument_group("replicas")
+    scale.add_argument("--min-replicas", type=_positive_int, default=None)
+    scale.add_argument("--max-replicas", type=_positive_int, default=None)
+    p.add_argument(
+        "--config",
+        default=None,
+        help=f"Serve config whose app args are the defaults (default: {DEFAULT_CONFIG.name})",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from services.serving.launch import run_server
+
+    run_server(args)

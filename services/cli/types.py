@@ -1,0 +1,43 @@
+"""argparse types and the parser class every ``longspark`` subcommand uses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors in one line, no usage dump (``longspark: error: ...``, exit status 2)."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"longspark: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive integers, e.g. ``1,4,16``."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return [positive_int(t) for t in parts]
+
+
+def key_value(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE``; the value parsed as JSON when it is JSON, else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value

@@ -1,0 +1,1 @@
+"""Prompt sets (benchmark categories, ShareGPT) and the drafter's training data."""

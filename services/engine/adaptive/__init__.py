@@ -1,0 +1,1 @@
+"""Adaptive speculation: the per-round draft length and engine-side context copies."""

@@ -1,0 +1,235 @@
+"""How many tokens to draft this round: speculate only where it pays.
+
+Speculation trades target work for fewer rounds. At C=1 a verify block of k+1 tokens costs
+about one decode step (memory-bound), so drafting pays whenever anything is accepted; at
+high batch sizes the verify forward is compute-bound and k+1 tokens per sequence cost up
+to k+1 times a plain step, so drafting loses unless acceptance is high. vLLM and SGLang
+leave this to the user (a fixed ``k``, or "disable speculation above batch size N"); here
+the engine measures both sides and picks, every round,
+
+    k* = argmax_{0 <= k <= k_max}  B * E[tokens | k] / (draft_s(B, k) + verify_s(B * (k+1)))
+
+with ``E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} alpha_j`` from the per-position
+acceptance rates ``alpha_j`` seen so far (DSpark's view of the block: each position is
+accepted only if every earlier one was), and both costs from linear models fitted online
+to the measured rounds (``seconds ~ a + b * rows``, exponentially forgotten so they follow
+load and context changes). ``k = 0`` is a round without the network: plain decoding,
+except that the engine drafts context copies there where they pay (``services.engine.adaptive.copies``),
+so its ``E[tokens | 0]`` and rows per sequence come from that round's copy plan. By default ``k`` is
+either 0 or ``k_max`` (``all_or_nothing``; ``_choices`` says why). The policy never changes
+what is generated, only how fast: verification stays lossless for any ``k``.
+
+It explores a little so its estimates stay fresh: every ``explore_every`` rounds it runs
+the alternative (one full-length draft while speculation is off, one plain round while it
+is on), so a drop in acceptance or a change in cost is noticed within a few dozen rounds.
+
+A plain round is not free while a drafter is attached: the target still returns its taps
+and the drafter still ingests them, to stay ready. Once plain rounds have won
+``sleep_after`` times in a row the policy reports itself ``idle``, and the engine then
+drops the drafter's per-sequence state and decodes without it (see ``Engine``), checking
+back now and then with one probe sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LinearCost:
+    """``seconds ~ a + b * rows``, least squares with exponential forgetting."""
+
+    decay: float = 0.97
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, rows: float, seconds: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+
+    @property
+    def known(self) -> bool:
+        return self.n > 0
+
+    def _variance(self) -> float:
+        mean_x = self.sx / self.n
+        return self.sxx / self.n - mean_x * mean_x
+
+    @property
+    def spread(self) -> float:
+        """Standard deviation of the observed row counts (0: one row count, no slope yet)."""
+        return max(0.0, self._variance()) ** 0.5 if self.n > 0 else 0.0
+
+    def predict(self, rows: float) -> float:
+        """Seconds for ``rows``; a flat cost until two different row counts were seen."""
+        if self.n <= 0:
+            return 0.0
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var = self._variance()
+        if var <= 1e-9 * max(1.0, mean_x * mean_x):
+            return mean_y
+        b = max(0.0, (self.sxy / self.n - mean_x * mean_y) / var)  # never cheaper for more rows
+        a = max(0.0, mean_y - b * mean_x)
+        return a + b * rows
+
+
+@dataclass
+class Acceptance:
+    """Per-position acceptance of drafts of up to ``k_max`` tokens, exponentially forgotten.
+
+    ``alpha_j`` = P(draft ``j`` accepted | drafts ``1..j-1`` accepted): each position is
+    accepted only if every earlier one was (DSpark's view of the block).
+    """
+
+    k_max: int
+    decay: float = 0.995  # forgetting, per observed sequence-round
+    prior: float = 0.5  # acceptance assumed before any evidence (weight 1 trial)
+    trials: list[float] = field(default_factory=list)
+    accepts: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.trials = [0.0] * self.k_max
+        self.accepts = [0.0] * self.k_max
+
+    def alphas(self) -> list[float]:
+        return [
+            (a + self.prior) / (t + 1.0) for a, t in zip(self.accepts, self.trials, strict=True)
+        ]
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one sequence commits in a round with ``k`` drafts (the bonus included)."""
+        total, run = 1.0, 1.0
+        for alpha in self.alphas()[:k]:
+            run *= alpha
+            total += run
+        return total
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """One sequence-round: ``num_draft`` drafts of which the first ``num_accepted`` held."""
+        if num_draft == 0:
+            return
+        d = self.decay
+        self.trials = [t * d for t in self.trials]
+        self.accepts = [a * d for a in self.accepts]
+        for j in range(min(num_accepted + 1, num_draft, self.k_max)):  # 1..m held, m+1 failed
+            self.trials[j] += 1.0
+            self.accepts[j] += 1.0 if j < num_accepted else 0.0
+
+
+@dataclass
+class SpecPolicy:
+    """Chooses each round's draft length from measured acceptance and costs."""
+
+    k_max: int
+    explore_every: int = 32
+    verify: LinearCost = field(default_factory=LinearCost)
+    draft: LinearCost = field(default_factory=LinearCost)
+    # the verify cost of rounds without the network only (see ``plain_cost``)
+    plain_verify: LinearCost = field(default_factory=LinearCost)
+    accepted: Acceptance = field(init=False)  # the drafter's drafts (network rounds)
+    # a round without the network: engine-side context copies may still draft there
+    # (``services.engine.adaptive.copies``), so it is expected to commit ``plain_tokens`` and verify
+    # ``plain_rows`` per sequence (1 and 1 without copies); the engine prices its copy
+    # plan into these before each ``choose``
+    plain_tokens: float = 1.0
+    plain_rows: float = 1.0
+    sleep_after: int = 16  # plain rounds chosen in a row before the policy is idle
+    all_or_nothing: bool = True  # choose k from {0, k_max} only (see _choices)
+    since_other: int = 0  # rounds since the mode not chosen last was tried
+    last_k: int = -1
+    plain_streak: int = 0  # rounds in a row whose best k (exploration aside) was 0
+
+    def __post_init__(self) -> None:
+        if self.k_max < 1:
+            raise ValueError("k_max must be >= 1")
+        self.accepted = Acceptance(self.k_max)
+
+    # -- estimates ------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """``alpha_j`` of the drafter's drafts, j = 1..k_max."""
+        return self.accepted.alphas()
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one sequence commits in a round with ``k`` drafts (the bonus included);
+        ``k = 0``: a round without the network (context copies included)."""
+        return self.accepted.expected_tokens(k) if k else self.plain_tokens
+
+    def plain_cost(self) -> LinearCost:
+        """The verify cost that prices a round without the network and its copies.
+
+        The verify's cost is concave in its rows on a CPU (32 sequences at a 450-token
+        context, measured: 32 rows 214 ms, 46 rows ~260, 88 rows ~345, 256 rows ~710), so
+        a line fitted across plain and full-block rounds has a slope (~2.2 ms a row) below
+        what the first copy rows cost (3-4 ms). Rounds without the network vary their rows
+        only by their copies, so a line fitted to them alone prices those rows where they
+        are; until their rows have varied the shared line stands in."""
+        return self.plain_verify if self.plain_verify.spread >= 1.0 else self.verify
+
+    def round_seconds(self, batch: int, k: int) -> float:
+        if not k:
+            return self.plain_cost().predict(batch * self.plain_rows)
+        return self.draft.predict(batch * (k + 1)) + self.verify.predict(batch * (k + 1))
+
+    # -- the decision ---------------------------------------------------------------------
+    def choose(self, batch: int) -> int:
+        """Draft length for a round of ``batch`` sequences (0 = plain)."""
+        if not (self.verify.known and self.draft.known):
+            k = self.k_max  # nothing measured yet: speculate, which measures both
+            self.plain_streak = 0
+        else:
+            k = max(self._choices(), key=lambda k: self._rate(batch, k))
+            self.plain_streak = self.plain_streak + 1 if k == 0 else 0
+            if self.since_other >= self.explore_every:
+                k = 0 if k else self.k_max
+        self.since_other = 0 if (k == 0) != (self.last_k == 0) else self.since_other + 1
+        self.last_k = k
+        return k
+
+    def _choices(self) -> range | tuple[int, int]:
+        """The draft lengths considered. On CPU a verify's cost is not linear in its rows:
+        the target's GEMMs are MKL-packed for 8 and 16 rows, so 5 rows cost more than 8.
+        A linear model then favours middle k that run slower than both ends (measured:
+        k of about 4 at C=1 ran at 0.69x of plain), so by default only plain or a full
+        block is chosen."""
+        return (0, self.k_max) if self.all_or_nothing else range(self.k_max + 1)
+
+    @property
+    def idle(self) -> bool:
+        """Drafting has not paid for ``sleep_after`` rounds: the drafter may be put aside."""
+        return self.plain_streak >= self.sleep_after
+
+    def explore_next(self) -> None:
+        """Try the other mode in the next round (a probe sequence just joined)."""
+        self.since_other = self.explore_every
+
+    def _rate(self, batch: int, k: int) -> float:
+        seconds = self.round_seconds(batch, k)
+        return batch * self.expected_tokens(k) / seconds if seconds > 0 else float("inf")
+
+    # -- feedback -------------------------------------------------------------------------
+    def observe(
+        self,
+        num_draft: list[int],
+        num_accepted: list[int],
+        draft_s: float,
+        verify_s: float,
+        network: bool = True,
+    ) -> None:
+        """One finished round: per-sequence drafts and accepted counts, and its timings.
+        ``network=False``: a round without the drafter's network (any drafts were copies)."""
+        rows = sum(n + 1 for n in num_draft)
+        self.verify.observe(rows, verify_s)
+        if not network:
+            self.plain_verify.observe(rows, verify_s)
+            return
+        if any(num_draft):
+            self.draft.observe(rows, draft_s)
+        for n, m in zip(num_draft, num_accepted, strict=True):
+            self.accepted.observe(n, m)
+
+
+__all__ = ["Acceptance", "LinearCost", "SpecPolicy"]

@@ -1,0 +1,34 @@
+"""The target's tokenizer: prompt encoding (raw or chat template) and decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.engine.params import InvalidRequest
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(path))
+        self.eos_token_id = self.hf.eos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text, add_special_tokens=True).input_ids)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Apply the model's chat template, ending with the assistant's turn opener."""
+        if not self.has_chat_template:
+            raise InvalidRequest(
+                "this model has no chat template; use the completions API", "messages"
+            )
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.hf(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,227 @@
+"""The Ray Serve app: an OpenAI ingress (FastAPI) in front of autoscaled engine replicas.
+
+* :class:`EngineDeployment`: one replica = one engine = one target TP group + one drafter,
+  in the replica's own placement group (``ServeArgs.bundles``: engine, ``tp`` ranks,
+  drafter; ``STRICT_PACK``). An :class:`~services.engine.async_engine.AsyncEngine` thread runs
+  the rounds; ``@serve.batch`` gathers requests arriving together into one admission
+  (tokenize + ``add_request`` in one engine-thread call, so they prefill together);
+  ``generate`` streams ``RequestOutput`` deltas back through the deployment handle.
+  Autoscaled on ongoing requests; ``max_ongoing_requests`` / ``max_queued_requests`` push
+  back (the ingress answers 429). ``check_health`` fails once a target rank died, so
+  Serve replaces the replica.
+* :class:`IngressDeployment`: the FastAPI app of :mod:`api` over a
+  :class:`ServeEngineClient` (the engine deployment's handle). It drains when the
+  launcher says so (``services.serving.drain``): 503 for new requests, in-flight ones finish.
+
+``build_app(args)`` is the app builder for ``serve run deploy/local-cpu.yaml`` (import
+path ``services.serving.app:build_app``) and for ``longspark serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+
+from api.app import create_app
+from api.lifecycle import Lifecycle
+from api.serving import OpenAIServing, ServingSettings
+from services.engine.async_engine import AsyncEngine, EngineLimits, GenerateRequest, RequestStream
+from services.engine.sequence import RequestOutput
+from services.serving import errors as _serve_errors  # noqa: F401 - adds the translator
+from services.serving.config import ServeArgs
+from services.serving.drain import find_signal
+from services.serving.metrics import EngineMetrics
+from services.serving.replica import build_replica_engine
+from target_actor.worker import TargetGroup
+
+log = logging.getLogger("longspark.serve")
+
+ENGINE_DEPLOYMENT = "LongSparkEngine"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+def _slim(out: RequestOutput) -> RequestOutput:
+    """Deltas cross the wire without the whole-output-so-far copies (kept on the last)."""
+    return out if out.finished else dataclasses.replace(out, text="", token_ids=[])
+
+
+@serve.deployment(name=ENGINE_DEPLOYMENT)
+class EngineDeployment:
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.args = ServeArgs.model_validate(args)
+        engine, self._close, self.drafter = build_replica_engine(self.args)
+        limits = EngineLimits(
+            max_prompt_tokens=self.args.max_prompt_tokens,
+            max_waiting=self.args.max_waiting_seqs,
+            queue_timeout_s=self.args.queue_timeout_s,
+        )
+        self.engine = AsyncEngine(engine, extra_stats=self._replica_stats, limits=limits)
+        self._admit.set_max_batch_size(self.args.admit_batch_size)
+        self._admit.set_batch_wait_timeout_s(self.args.admit_batch_wait_s)
+        self.metrics = EngineMetrics(self.args.model_name or "")
+        self._metrics_task: asyncio.Task | None = None
+        self.admissions = {"batches": 0, "requests": 0, "largest": 0}  # @serve.batch at work
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Admit (batched with concurrent arrivals), then stream the request's deltas."""
+        self._start_metrics()
+        t0, first = time.monotonic(), None
+        try:
+            stream = await self._admit(request)
+        except asyncio.CancelledError:  # the client left while its batch was admitted
+            self.engine.abort(request.request_id)
+            raise
+        if isinstance(stream, BaseException):
+            raise stream
+        async for out in self.engine.stream(stream):
+            if first is None and out.new_token_ids:
+                first = time.monotonic()
+            if out.finished and first is not None:
+                n = len(out.token_ids)
+                tpot = (time.monotonic() - first) / (n - 1) if n > 1 else None
+                self.metrics.observe_request(first - t0, tpot)
+            yield _slim(out)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def _admit(self, requests: list[GenerateRequest]) -> list[RequestStream | BaseException]:
+        a = self.admissions
+        a["batches"], a["requests"] = a["batches"] + 1, a["requests"] + len(requests)
+        a["largest"] = max(a["largest"], len(requests))
+        return await self.engine.admit(requests)
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's accounting (for /debug/engine and tests)."""
+        return await self.engine.stats()
+
+    async def health(self) -> None:
+        self.engine.check_health()
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: fails once a target rank died."""
+        self.engine.check_health()
+
+    def _replica_stats(self) -> dict[str, Any]:  # runs on the engine thread
+        out: dict[str, Any] = {
+            "replica": serve.get_replica_context().replica_tag,
+            "admissions": dict(self.admissions),
+        }
+        target = self.engine.engine.target
+        out["target_pids"] = target.pids() if isinstance(target, TargetGroup) else None
+        if self.drafter is not None:
+            out.update(self.drafter.counters())
+            out["drafter_pid"] = self.drafter.pid()
+        return out
+
+    def _start_metrics(self) -> None:
+        if self._metrics_task is None:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
+
+    async def _export_metrics(self) -> None:
+        while True:
+            try:
+                self.metrics.update(await self.engine.call(self.metrics.snapshot))
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                log.debug("metrics export failed", exc_info=True)
+            await asyncio.sleep(2.0)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self._close()
+
+
+class ServeEngineClient:
+    """The API's engine client over the engine deployment's handle (streaming)."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        return self.handle.options(stream=True).generate.remote(request)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.handle.stats.remote()
+
+    async def health(self) -> None:
+        await self.handle.health.remote()
+
+
+@serve.deployment(name=INGRESS_DEPLOYMENT)
+@serve.ingress()
+class IngressDeployment:
+    def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
+        a = ServeArgs.model_validate(args)
+        settings = ServingSettings(
+            model_name=a.model_name or "",
+            mode=a.mode,
+            api_keys=tuple(a.api_keys),
+            max_request_bytes=a.max_request_bytes,
+            max_tokens_limit=a.max_tokens_limit,
+            cors_origins=tuple(a.cors_origins),
+            debug_routes=a.debug_routes,
+        )
+        self.serving = OpenAIServing(ServeEngineClient(engine), settings)
+        self.lifecycle = Lifecycle()
+
+    def __serve_build_asgi_app__(self) -> Any:
+        @asynccontextmanager
+        async def lifespan(app: Any) -> AsyncIterator[None]:
+            watcher = asyncio.get_running_loop().create_task(self._drain_when_told())
+            yield
+            watcher.cancel()
+
+        # Serve's proxy already echoes X-Request-Id (the same id this app logs and returns)
+        return create_app(self.serving, self.lifecycle, lifespan, echo_request_id=False)
+
+    async def _drain_when_told(self) -> None:
+        context = serve.get_replica_context()
+        signal = find_signal(context.app_name)
+        if signal is None:
+            return
+        grace_s = await signal.wait.remote()
+        self.lifecycle.drain()
+        log.warning(
+            "draining: %d requests in flight, %gs to finish", self.lifecycle.in_flight, grace_s
+        )
+        idle = await self.lifecycle.wait_idle(grace_s)
+        log.warning(
+            "drained: %s", "idle" if idle else f"{self.lifecycle.in_flight} still in flight"
+        )
+        await signal.report.remote(context.replica_tag, idle)
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """The app for ``serve run`` / ``serve.run``: validate and resolve ``args`` once."""
+    cfg = ServeArgs.model_validate(args or {}).resolved()
+    engine_options: dict[str, Any] = dict(
+        placement_group_bundles=cfg.bundles(),
+        placement_group_strategy="STRICT_PACK",
+        ray_actor_options={"num_cpus": cfg.cpus_per_actor},
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        max_queued_requests=cfg.max_queued_requests,
+        health_check_period_s=5.0,
+        health_check_timeout_s=60.0,
+        graceful_shutdown_timeout_s=max(120.0, cfg.shutdown_grace_s + 10.0),
+    )
+    if cfg.max_replicas > cfg.min_replicas:
+        engine_options["autoscaling_config"] = cfg.autoscaling()
+    else:
+        engine_options["num_replicas"] = cfg.min_replicas
+    resolved = cfg.model_dump()
+    engine = EngineDeployment.options(**engine_options).bind(resolved)
+    ingress = IngressDeployment.options(
+        num_replicas=cfg.ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max(1000, 2 * cfg.max_replicas * cfg.max_ongoing_requests),
+    )
+    return ingress.bind(engine, resolved)

@@ -1,0 +1,211 @@
+"""The Serve app's settings: one pydantic model, validated once, shared by every deployment.
+
+``build_app(args)`` validates the ``args`` of a Serve config file (or of ``longspark
+serve``) into :class:`ServeArgs`, resolves what depends on the machine (model folder,
+shipped drafter, API key from the environment) with :meth:`ServeArgs.resolved`, and hands
+the resolved settings to the deployments, so replicas never guess.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("longspark.serve")
+
+API_KEY_ENV = "LONGSPARK_API_KEY"
+API_KEY_FILE_ENV = "LONGSPARK_API_KEY_FILE"
+
+
+def split_keys(text: str | None) -> list[str]:
+    """Keys from a comma-separated string or a key file (one per line, ``#`` comments)."""
+    keys = []
+    for line in (text or "").replace(",", "\n").splitlines():
+        key = line.split("#", 1)[0].strip()
+        if key:
+            keys.append(key)
+    return keys
+
+
+class ServeArgs(BaseModel):
+    """Everything a deployment of the service needs; field names match ``longspark serve``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # model and engine
+    target: str | None = Field(
+        None, description="local Hugging Face folder; None = the default model (fetched once)"
+    )
+    model_name: str | None = Field(
+        None, description="model id served by /v1/models (default: the target folder's name)"
+    )
+    tp: int = Field(1, ge=1, description="tensor-parallel degree: target ranks per replica")
+    dtype: str = Field("float32", description="target weight dtype")
+    mode: Literal["spec", "ar"] = Field("spec", description="speculative or plain decoding")
+    drafter: str | None = Field(
+        None,
+        description="drafter folder or 'random'; None = the shipped drafter, or plain "
+        "decoding when there is none",
+    )
+    k: int | None = Field(None, ge=1, description="draft tokens per round (default: drafter's)")
+    adaptive: bool = Field(
+        True, description="pick each round's k from measured acceptance and cost (0 = plain)"
+    )
+    carry: bool = Field(True, description="Carryover of rejected positions (ablation switch)")
+    context_copy: bool = Field(
+        True, description="let the drafter copy recent n-gram continuations (ablation switch)"
+    )
+    max_num_seqs: int = Field(32, ge=1, description="running sequences per replica")
+    kv_cache_tokens: int = Field(65536, ge=16, description="KV-cache token budget per replica")
+    seed: int = Field(0, description="seed of the drafter's sampler for unseeded requests")
+    drafter_timeout_s: float = Field(
+        30.0, gt=0, description="a proposal slower than this counts as a drafter failure"
+    )
+
+    # placement: one bundle for the engine, one per target rank, one for the drafter
+    device: Literal["cpu", "gpu"] = Field("cpu", description="gpu: one GPU per rank/drafter")
+    cpus_per_actor: float = Field(
+        1.0, gt=0, description="logical CPUs per bundle (engine, each rank, the drafter)"
+    )
+    threads_per_rank: int | None = Field(
+        None, ge=1, description="torch threads per target rank (default: its CPUs, at least 1)"
+    )
+
+    # scaling and back-pressure
+    min_replicas: int = Field(1, ge=1, description="engine replicas at least")
+    max_replicas: int = Field(1, ge=1, description="engine replicas at most (autoscaling)")
+    target_ongoing_requests: float = Field(
+        16.0, gt=0, description="autoscaling target: ongoing requests per engine replica"
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="load must last this long to scale up")
+    downscale_delay_s: float = Field(300.0, ge=0, description="idle this long to scale down")
+    metrics_interval_s: float = Field(
+        2.0, gt=0, description="how often replicas report load to the autoscaler"
+    )
+    look_back_period_s: float = Field(
+        10.0, gt=0, description="window the autoscaler averages load over"
+    )
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="requests one engine replica takes at once (more wait in queue)"
+    )
+    max_queued_requests: int = Field(
+        256, description="requests queued per caller before 429 (-1: no limit)"
+    )
+    ingress_replicas: int = Field(1, ge=1, description="FastAPI ingress replicas")
+    admit_batch_size: int = Field(16, ge=1, description="@serve.batch: requests per admission")
+    admit_batch_wait_s: float = Field(
+        0.002, ge=0, description="@serve.batch: how long an admission batch waits to fill"
+    )
+
+    # limits (requests over them get a 4xx/5xx at once, never an unbounded queue)
+    max_tokens_limit: int | None = Field(
+        4096, ge=1, description="max_tokens a request may ask for (more: 400); None = no cap"
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="longer prompts get 400 (None: the model's context)"
+    )
+    max_waiting_seqs: int | None = Field(
+        128, ge=1, description="requests waiting in one engine for a running slot (more: 429)"
+    )
+    queue_timeout_s: float | None = Field(
+        60.0, gt=0, description="a request not running this long after arrival gets 503"
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM: how long in-flight requests may take to finish"
+    )
+
+    # HTTP
+    api_key: str | None = Field(
+        None,
+        repr=False,
+        description=f"bearer token(s) required on /v1, comma-separated (default: ${API_KEY_ENV};"
+        " none = open)",
+    )
+    api_key_file: str | None = Field(
+        None, description=f"file of accepted keys, one per line (default: ${API_KEY_FILE_ENV})"
+    )
+    api_keys: list[str] = Field(
+        default_factory=list, repr=False, description="every accepted key (set by resolved())"
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list, description="origins allowed by CORS (empty: CORS off)"
+    )
+    max_request_bytes: int = Field(4 << 20, ge=1024, description="bigger bodies get 413")
+    debug_routes: bool = Field(True, description="GET /debug/engine: engine accounting")
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeArgs:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})"
+            )
+        return self
+
+    # -- resolution (once, where build_app runs) ------------------------------------
+    def resolved(self) -> ServeArgs:
+        """Model folder, served name, drafter choice and API key fixed for the replicas."""
+        from services.engine.backends import shipped_drafter
+        from target_actor.checkpoint import resolve_target
+        from target_actor.config import ModelConfig
+
+        path = resolve_target(self.target)
+        ModelConfig.from_pretrained(path).check_tp(self.tp)
+        api_key = self.api_key or os.environ.get(API_KEY_ENV) or None
+        key_file = self.api_key_file or os.environ.get(API_KEY_FILE_ENV) or None
+        keys = [*self.api_keys, *split_keys(api_key)]
+        if key_file is not None:
+            keys += split_keys(Path(key_file).read_text())
+        update: dict[str, Any] = {
+            "target": str(path),
+            "model_name": self.model_name or path.name,
+            "api_key": api_key,
+            "api_key_file": key_file,
+            "api_keys": list(dict.fromkeys(keys)),
+        }
+        if self.mode == "spec" and self.drafter is None:
+            shipped = shipped_drafter(path)
+            if shipped is None:
+                log.warning("no trained drafter ships for %s: serving plain decoding", path.name)
+                update["mode"] = "ar"
+            else:
+                update["drafter"] = str(shipped)
+        if self.mode == "ar" or update.get("mode") == "ar":
+            update["drafter"] = None
+        return self.model_copy(update=update)
+
+    @property
+    def drafter_label(self) -> str:
+        if self.mode == "ar":
+            return "none (plain decoding)"
+        return self.drafter if self.drafter in (None, "random") else Path(self.drafter).name
+
+    # -- what Serve needs -----------------------------------------------------------
+    def actor_resources(self) -> dict[str, float]:
+        """One bundle: a target rank or the drafter (the engine's bundle has no GPU)."""
+        if self.device == "gpu":
+            return {"CPU": self.cpus_per_actor, "GPU": 1.0}
+        return {"CPU": self.cpus_per_actor}
+
+    def bundles(self) -> list[dict[str, float]]:
+        """Engine replica first (it runs in bundle 0), then ``tp`` ranks, then the drafter."""
+        actors = self.tp + (1 if self.mode == "spec" else 0)
+        return [{"CPU": self.cpus_per_actor}] + [self.actor_resources() for _ in range(actors)]
+
+    def autoscaling(self) -> dict[str, Any]:
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "metrics_interval_s": self.metrics_interval_s,
+            "look_back_period_s": self.look_back_period_s,
+        }
+
+    @property
+    def rank_threads(self) -> int:
+        return self.threads_per_rank or max(1, int(self.cpus_per_actor))

@@ -1,0 +1,38 @@
+"""The target handle: what the engine calls, in-process (``LocalTarget``) or over Ray
+(``TargetGroup``), with one return contract.
+
+``prefill`` and ``verify`` return the small ``StepResult`` the engine reads, and the
+drafter's messages (``PrefillViews`` / ``RoundUpdate`` lists) as a value or an
+``ObjectRef`` to them, which goes to the drafter handle unopened.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .batch import ForwardBatch, ForwardOutput, PrefillBatch, StepResult, VerifyBatch
+from .config import ModelConfig
+from .messages import Proposal
+
+
+@runtime_checkable
+class TargetHandle(Protocol):
+    cfg: ModelConfig
+
+    def prefill(self, batch: PrefillBatch) -> tuple[StepResult, Any]: ...
+
+    def verify(self, batch: VerifyBatch, proposal: Proposal | None) -> tuple[StepResult, Any]: ...
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput: ...
+
+    def set_summary_queries(self, g: torch.Tensor | None) -> None: ...
+
+    def free(self, seq_ids: list[int]) -> None: ...
+
+    def kv_stats(self) -> dict[str, int]: ...
+
+    def kv_capacity_tokens(self) -> int: ...
+
+    def shutdown(self) -> None: ...

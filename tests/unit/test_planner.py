@@ -1,0 +1,61 @@
+"""The round planner's two hooks on their own: what it plans, and what it learns."""
+
+from __future__ import annotations
+
+from services.engine.adaptive.planner import RoundPlanner
+from services.engine.metrics import EngineStats
+from services.engine.params import SamplingParams
+from services.engine.sequence import Sequence
+from services.engine.stopping import StopChecker
+
+
+def seq(seq_id: int, max_tokens: int = 50, output: int = 3, **params) -> Sequence:
+    sp = SamplingParams(max_tokens=max_tokens, **params)
+    s = Sequence(seq_id, f"r{seq_id}", [1, 2, 3], sp, StopChecker((), max_tokens))
+    s.output_ids = [4] * output
+    return s
+
+
+class Idle:
+    """A policy that chose plain rounds long enough to put the drafter aside."""
+
+    idle = True
+
+    def choose(self, batch: int) -> int:
+        return 0
+
+    def explore_next(self) -> None:
+        self.explored = True
+
+
+def test_fixed_k_never_drafts_past_max_tokens_or_for_lost_or_plain_sequences():
+    planner = RoundPlanner(k=5, max_len=100, stats=EngineStats(), drafter=True)
+    running = [seq(0), seq(1, max_tokens=5), seq(2), seq(3)]
+    planner.go_plain([2])
+    plan = planner.plan(running, drafting=lambda seq_id: seq_id != 3)
+    assert plan.num_draft == [5, 1, 0, 0] and plan.put_aside == [] and plan.copies == []
+    assert RoundPlanner(5, 100, EngineStats(), drafter=False).plan(running).num_draft == [0] * 4
+
+
+def test_an_idle_policy_puts_the_drafter_aside_but_seeded_sampling_keeps_k():
+    stats = EngineStats()
+    planner = RoundPlanner(k=4, max_len=100, stats=stats, drafter=True, adaptive=True)
+    planner.policy = Idle()
+    seeded = seq(1, temperature=1.0, seed=3)
+    plan = planner.plan([seq(0), seeded])
+    assert plan.put_aside == [0] and plan.num_draft == [0, 4]  # the seeded one keeps k
+    assert planner.asleep and stats.drafter_sleeps == 1
+    assert planner.release([0, 1]) == [1]  # only the seeded one still has drafter state
+
+
+def test_while_aside_new_sequences_start_plain_except_a_probe_now_and_then():
+    stats = EngineStats()
+    planner = RoundPlanner(4, 100, stats, drafter=True, adaptive=True, probe_every=3)
+    planner.policy = Idle()
+    planner.plan([seq(0)])
+    admitted = []
+    for i in range(1, 5):
+        planner.plan([seq(0)])
+        admitted.append(planner.admit([seq(i)]))
+    assert admitted == [False, True, False, False]  # one probe batch every 3 rounds
+    assert stats.drafter_probes == 1 and planner.policy.explored
