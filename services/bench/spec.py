@@ -16,7 +16,6 @@ median-speed repeat.
 
 from __future__ import annotations
 
-import dataclasses
 import platform
 import statistics
 import time
@@ -39,7 +38,7 @@ def _run_mode(opts, prompts: list[str], max_tokens: int, concurrency: int) -> di
     from services.engine.backends import build_engine
     from services.engine.params import SamplingParams
 
-    engine, close = build_engine(dataclasses.replace(opts, max_num_seqs=concurrency))
+    engine, close = build_engine(opts.model_copy(update={"max_num_seqs": concurrency}))
     try:
         ids = [engine.tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
         params = SamplingParams(max_tokens=max_tokens)
@@ -74,8 +73,8 @@ def run_spec_bench(
 
     base = EngineOptions(target=target, mode="spec", drafter=drafter, k=k, carry=carry)
     modes = {
-        "plain": dataclasses.replace(base, mode="ar"),
-        "spec_fixed_k": dataclasses.replace(base, adaptive=False),
+        "plain": base.model_copy(update={"mode": "ar"}),
+        "spec_fixed_k": base.model_copy(update={"adaptive": False}),
         "spec_adaptive": base,
     }
     runs = []

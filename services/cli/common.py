@@ -65,5 +65,4 @@ def engine_options(args: argparse.Namespace):
         k=getattr(args, "k", None),
         adaptive=not getattr(args, "fixed_k", False),
         carry=not getattr(args, "no_carry", False),
-        backend=getattr(args, "backend", "local"),
     )

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> None:
         seed=args.seed,
         stop=args.stop,
     )
-    engine, close = build_engine(engine_options(args))
+    engine, close = build_engine(engine_options(args), backend=args.backend)
     try:
         tok = engine.tok
         ids = (

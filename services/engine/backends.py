@@ -6,8 +6,10 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.engine.core import Engine, EngineConfig
 from services.engine.tokenizer import Tokenizer
@@ -17,24 +19,65 @@ from target_actor.runner import TargetSpec
 
 log = logging.getLogger("longspark.backends")
 
+DEFAULT_WINDOW = 256  # the target verifier's default drafter window
 SHIPPED_DRAFTERS = Path(__file__).resolve().parents[2] / "drafter_actor" / "weights"
 
 
-@dataclass
-class EngineOptions:
-    target: str | None = None  # local HF folder; None = the default model
-    tp: int = 1
-    dtype: str = "float32"
-    mode: str = "spec"  # "spec" | "ar"
-    drafter: str | None = None  # folder, "random", or None = the shipped one for the target
-    k: int | None = None
-    adaptive: bool = True  # per-round k from measured acceptance and cost (False: always k)
-    carry: bool = True
-    context_copy: bool = True  # False: never copy from context, even if the drafter would
-    backend: str = "local"  # "local" | "ray"
-    max_num_seqs: int = 32
-    kv_cache_tokens: int = 65536
-    seed: int = 0
+class EngineOptions(BaseModel):
+    """The engine's settings, defined once: the CLI and the benchmarks build one, and the
+    serving config (``services.serving.config.ServeArgs``) embeds these fields as they are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str | None = Field(
+        None, description="local Hugging Face folder; None = the default model (fetched once)"
+    )
+    tp: int = Field(1, ge=1, description="tensor-parallel degree: target ranks")
+    dtype: str = Field("float32", description="target weight dtype")
+    mode: Literal["spec", "ar"] = Field("spec", description="speculative or plain decoding")
+    drafter: str | None = Field(
+        None,
+        description="drafter folder or 'random'; None = the shipped drafter for the target",
+    )
+    k: int | None = Field(None, ge=1, description="draft tokens per round (default: drafter's)")
+    adaptive: bool = Field(
+        True, description="pick each round's k from measured acceptance and cost (0 = plain)"
+    )
+    carry: bool = Field(True, description="Carryover of rejected positions (ablation switch)")
+    context_copy: bool = Field(
+        True, description="copy recent n-gram continuations (drafter and engine; ablation)"
+    )
+    max_num_seqs: int = Field(32, ge=1, description="running sequences at once")
+    kv_cache_tokens: int = Field(65536, ge=16, description="KV-cache token budget")
+    seed: int = Field(0, description="seed of the drafter's sampler for unseeded requests")
+
+    def target_spec(self, **extra: Any) -> TargetSpec:
+        return TargetSpec(
+            str(self.target), dtype=self.dtype, kv_cache_tokens=self.kv_cache_tokens, **extra
+        )
+
+    def drafter_kwargs(self) -> dict[str, Any]:
+        """What the drafter handles take besides the folders (None = the checkpoint's)."""
+        return dict(
+            k=self.k,
+            carry=None if self.carry else False,
+            context_copy=None if self.context_copy else False,
+            seed=self.seed,
+        )
+
+    def engine_config(self, drafter: Any | None) -> EngineConfig:
+        return EngineConfig(
+            k=self.k or (drafter.k if drafter is not None else EngineConfig.k),
+            max_num_seqs=self.max_num_seqs,
+            drafter_name=self.drafter or "",
+            adaptive=self.adaptive,
+            copy_drafts=self.context_copy,
+        )
+
+
+def views_window(drafter: Any | None) -> int:
+    """Recent K/V rows the target ships the drafter (its window; unused without one)."""
+    return drafter.window if drafter is not None else DEFAULT_WINDOW
 
 
 def shipped_drafter(target_path: Path) -> Path | None:
@@ -55,55 +98,38 @@ def _ensure_ray(num_cpus: int) -> None:
         )
 
 
-def build_engine(opts: EngineOptions) -> tuple[Engine, Callable[[], None]]:
-    """An engine and the function that shuts its actors down."""
+def build_engine(opts: EngineOptions, backend: str = "local") -> tuple[Engine, Callable[[], None]]:
+    """An engine and the function that shuts its actors down. ``backend`` "ray" runs the
+    target ranks and the drafter as Ray actors (implied by ``tp > 1``)."""
     from drafter_actor.worker import LocalDrafter, RayDrafter
     from target_actor.worker import LocalTarget, TargetGroup
 
     path = resolve_target(opts.target)
     ModelConfig.from_pretrained(path).check_tp(opts.tp)
-    spec = TargetSpec(str(path), dtype=opts.dtype, kv_cache_tokens=opts.kv_cache_tokens)
-    drafter_path: str | None = None
-    if opts.mode == "spec":
+    opts = opts.model_copy(update={"target": str(path)})
+    if opts.mode == "spec" and opts.drafter is None:
         shipped = shipped_drafter(path)
-        drafter_path = opts.drafter or (str(shipped) if shipped else "random")
-        if drafter_path == "random":
+        opts = opts.model_copy(update={"drafter": str(shipped) if shipped else "random"})
+        if shipped is None:
             log.info(
                 "no trained drafter for %s: drafting with a random one (output stays exact)",
                 path.name,
             )
-    use_ray = opts.backend == "ray" or opts.tp > 1
+    use_ray = backend == "ray" or opts.tp > 1
     if use_ray:
         _ensure_ray(opts.tp + 2)
     closers: list[Callable[[], None]] = []
-    drafter = None
-    if drafter_path is not None:
-        kw = dict(
-            k=opts.k,
-            carry=None if opts.carry else False,
-            context_copy=None if opts.context_copy else False,
-            seed=opts.seed,
-        )
-        drafter = (RayDrafter if use_ray else LocalDrafter)(str(path), drafter_path, **kw)
+    spec, drafter = opts.target_spec(), None
+    if opts.mode == "spec":
+        cls = RayDrafter if use_ray else LocalDrafter
+        drafter = cls(opts.target, opts.drafter, **opts.drafter_kwargs())
         closers.append(drafter.shutdown)
-    window = drafter.window if drafter is not None else 256
-    if drafter is not None:  # the target taps exactly the layers the drafter was built for
+        # the target taps exactly the layers the drafter was built for
         spec = dataclasses.replace(spec, tap_layer_ids=tuple(drafter.cfg.tap_layer_ids))
+    window = views_window(drafter)
     target = TargetGroup(spec, opts.tp, window=window) if use_ray else LocalTarget(spec, window)
     closers.append(target.shutdown)
-    k = opts.k or (drafter.k if drafter is not None else 15)
-    engine = Engine(
-        target,
-        Tokenizer(path),
-        drafter,
-        EngineConfig(
-            k=k,
-            max_num_seqs=opts.max_num_seqs,
-            drafter_name=drafter_path or "",
-            adaptive=opts.adaptive,
-            copy_drafts=opts.context_copy,
-        ),
-    )
+    engine = Engine(target, Tokenizer(path), drafter, opts.engine_config(drafter))
 
     def close() -> None:
         for fn in reversed(closers):

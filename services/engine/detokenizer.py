@@ -1,9 +1,7 @@
 """A growing output's text without decoding all of it every round.
 
 Decoding a sequence's whole output each round costs O(n) a round and O(n^2) over the
-sequence: with SmolLM2's tokenizer ~1 ms a round per sequence 1,500-2,000 tokens in
-(measured), so ~30 ms a round at 32 such sequences, where this costs ~0.015 ms a
-sequence. Like vLLM, each round decodes only a few ids of context plus the new ones: the
+sequence, which at 32 long sequences costs a real share of a round. Like vLLM, each round decodes only a few ids of context plus the new ones: the
 new text is the decode of ``ids[prefix:]`` minus the decode of ``ids[prefix:read]``,
 where the context ids make the new ones decode as they do inside the whole text (a
 leading space, a merged character).

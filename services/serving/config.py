@@ -13,7 +13,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from services.engine.backends import EngineOptions
 
 log = logging.getLogger("longspark.serve")
 
@@ -31,37 +33,19 @@ def split_keys(text: str | None) -> list[str]:
     return keys
 
 
-class ServeArgs(BaseModel):
-    """Everything a deployment of the service needs; field names match ``longspark serve``."""
+class ServeArgs(EngineOptions):
+    """Everything a deployment of the service needs; field names match ``longspark serve``.
+
+    The engine's own settings (target, tp, dtype, mode, drafter, k, adaptive, carry,
+    context_copy, max_num_seqs, kv_cache_tokens, seed) are ``EngineOptions``' fields,
+    inherited as they are; the rest is serving's.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    # model and engine
-    target: str | None = Field(
-        None, description="local Hugging Face folder; None = the default model (fetched once)"
-    )
     model_name: str | None = Field(
         None, description="model id served by /v1/models (default: the target folder's name)"
     )
-    tp: int = Field(1, ge=1, description="tensor-parallel degree: target ranks per replica")
-    dtype: str = Field("float32", description="target weight dtype")
-    mode: Literal["spec", "ar"] = Field("spec", description="speculative or plain decoding")
-    drafter: str | None = Field(
-        None,
-        description="drafter folder or 'random'; None = the shipped drafter, or plain "
-        "decoding when there is none",
-    )
-    k: int | None = Field(None, ge=1, description="draft tokens per round (default: drafter's)")
-    adaptive: bool = Field(
-        True, description="pick each round's k from measured acceptance and cost (0 = plain)"
-    )
-    carry: bool = Field(True, description="Carryover of rejected positions (ablation switch)")
-    context_copy: bool = Field(
-        True, description="let the drafter copy recent n-gram continuations (ablation switch)"
-    )
-    max_num_seqs: int = Field(32, ge=1, description="running sequences per replica")
-    kv_cache_tokens: int = Field(65536, ge=16, description="KV-cache token budget per replica")
-    seed: int = Field(0, description="seed of the drafter's sampler for unseeded requests")
     drafter_timeout_s: float = Field(
         30.0, gt=0, description="a proposal slower than this counts as a drafter failure"
     )

@@ -17,11 +17,11 @@ from typing import Any
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from services.engine.core import Engine, EngineConfig
+from services.engine.backends import views_window
+from services.engine.core import Engine
 from services.engine.resilient_drafter import ResilientDrafter
 from services.engine.tokenizer import Tokenizer
 from services.serving.config import ServeArgs
-from target_actor.runner import TargetSpec
 from target_actor.worker import TargetGroup
 
 
@@ -33,12 +33,7 @@ def build_replica_engine(
 
     pg = get_current_placement_group()
     resources = args.actor_resources()
-    spec = TargetSpec(
-        args.target,
-        dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
-        num_threads=args.rank_threads,
-    )
+    spec = args.target_spec(num_threads=args.rank_threads)
     drafter: ResilientDrafter | None = None
     if args.mode == "spec":
         strategy = (
@@ -56,15 +51,12 @@ def build_replica_engine(
                 num_cpus=resources["CPU"],
                 num_gpus=resources.get("GPU", 0.0),
                 scheduling_strategy=strategy,
-                k=args.k,
-                carry=None if args.carry else False,
-                context_copy=None if args.context_copy else False,
-                seed=args.seed,
+                **args.drafter_kwargs(),
             )
 
         drafter = ResilientDrafter(start_drafter, args.drafter_timeout_s)
         spec = dataclasses.replace(spec, tap_layer_ids=tuple(drafter.cfg.tap_layer_ids))
-    window = drafter.window if drafter is not None else 256
+    window = views_window(drafter)
     if pg is not None:
         target: TargetGroup = TargetGroup(
             spec,
@@ -79,19 +71,7 @@ def build_replica_engine(
         target = TargetGroup(
             spec, args.tp, resources["CPU"], resources.get("GPU", 0.0), window=window
         )
-    k = args.k or (drafter.k if drafter is not None else 15)
-    engine = Engine(
-        target,
-        Tokenizer(args.target),
-        drafter,
-        EngineConfig(
-            k=k,
-            max_num_seqs=args.max_num_seqs,
-            drafter_name=args.drafter or "",
-            adaptive=args.adaptive,
-            copy_drafts=args.context_copy,
-        ),
-    )
+    engine = Engine(target, Tokenizer(args.target), drafter, args.engine_config(drafter))
 
     def close() -> None:
         if drafter is not None:

@@ -3,8 +3,8 @@
 On a CPU (or at high load on any device) the network's block rarely pays for the rows it
 adds to the verify, and the adaptive policy rounds drop to plain decoding. Greedy text
 still repeats itself: the continuation of a long recent n-gram match is right far more
-often than the network's average draft (measured on the benchmark mix: tau 3.1 for
-matches of 2+ tokens, 6.8 for 8-token ones). So in those rounds the engine drafts, per
+often than the network's average draft, and the longer the match the more often. So in
+those rounds the engine drafts, per
 sequence, the copy of its longest recent match (the drafter's own rule,
 ``drafter_actor.context_copy.find_copy``, answered from an n-gram index of the engine's
 token ids, ``services.engine.adaptive.ngram_index``: no network, no taps, no actor call) where the
@@ -19,7 +19,7 @@ a copy of ``k`` tokens from a match of length ``n`` is expected to add ``g(n, k)
 sequence on a CPU that drafts nearly every copy; at 32 it keeps only the long matches.
 Every ``explore_every`` rounds one more candidate drafts, the one whose match length has
 the least evidence, so estimates stay fresh at the cost of a few rows (exploring every
-candidate at once cost ~6% of a round's time at 32 sequences).
+candidate at once costs too much at high load).
 
 A copied slot's proposal is one-hot, and which sequences copy depends only on their
 history and on earlier rounds (never on a token sampled this round), so verification

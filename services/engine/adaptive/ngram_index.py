@@ -2,8 +2,8 @@
 
 The engine looks up every running sequence's longest recent match each round
 (``services.engine.adaptive.copies``). Scanning the last ``WINDOW`` ids with the drafter's rule
-(``drafter_actor.context_copy.find_copy``) cost ~0.3 ms a sequence 2,000 ids in (10.6 ms a
-round at 32 sequences, measured on a busy host). This index keeps the most recent end
+(``drafter_actor.context_copy.find_copy``) costs O(window) a sequence a round, which adds
+up at 32 long sequences. This index keeps the most recent end
 of every n-gram of ``MIN_NGRAM..MAX_NGRAM`` ids, updated with each round's new ids and
 dropping those that left the window (at most ``MAX_NGRAM - 1`` entries per id of the
 window), so a look-up is at most ``MAX_NGRAM - 1`` dict reads. It finds what

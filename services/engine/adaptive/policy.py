@@ -161,10 +161,8 @@ class SpecPolicy:
     def plain_cost(self) -> LinearCost:
         """The verify cost that prices a round without the network and its copies.
 
-        The verify's cost is concave in its rows on a CPU (32 sequences at a 450-token
-        context, measured: 32 rows 214 ms, 46 rows ~260, 88 rows ~345, 256 rows ~710), so
-        a line fitted across plain and full-block rounds has a slope (~2.2 ms a row) below
-        what the first copy rows cost (3-4 ms). Rounds without the network vary their rows
+        The verify's cost is concave in its rows on a CPU, so a line fitted across plain
+        and full-block rounds has a slope below what the first copy rows cost. Rounds without the network vary their rows
         only by their copies, so a line fitted to them alone prices those rows where they
         are; until their rows have varied the shared line stands in."""
         return self.plain_verify if self.plain_verify.spread >= 1.0 else self.verify
@@ -192,9 +190,9 @@ class SpecPolicy:
     def _choices(self) -> range | tuple[int, int]:
         """The draft lengths considered. On CPU a verify's cost is not linear in its rows:
         the target's GEMMs are MKL-packed for 8 and 16 rows, so 5 rows cost more than 8.
-        A linear model then favours middle k that run slower than both ends (measured:
-        k of about 4 at C=1 ran at 0.69x of plain), so by default only plain or a full
-        block is chosen."""
+        A linear model then favours middle k that run slower than both ends, so by default
+        only plain or a full block is chosen (docs/experiments/performance.md has the
+        measurements)."""
         return (0, self.k_max) if self.all_or_nothing else range(self.k_max + 1)
 
     @property
