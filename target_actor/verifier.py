@@ -10,6 +10,8 @@ fixed-size views (``PrefillViews`` / ``RoundUpdate``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from target_actor.batch import ForwardBatch, PrefillBatch, SeqSampling, StepResult, VerifyBatch
@@ -129,7 +131,8 @@ class Verifier:
         if not self.is_driver:
             return None, None
         logits = torch.stack([last_logits[s] for s in batch.seq_ids]).unsqueeze(1)  # [n, 1, vocab]
-        result = self._sample(batch.seq_ids, logits, None, [0] * len(batch.seq_ids))
+        with self._rewind_on_failure(batch.seq_ids):
+            result = self._sample(batch.seq_ids, logits, None, [0] * len(batch.seq_ids))
         if not taps:
             return result, None
         return result, [views[s].build(s, self.sampling[s].seed, prompts[s]) for s in batch.seq_ids]
@@ -156,11 +159,27 @@ class Verifier:
         if not self.is_driver:
             return None, None
         # ragged logits: each sequence's 1 + num_draft rows, never padded to the round's k
-        result = self._sample(batch.seq_ids, out.logits, proposal, batch.num_draft)
-        updates = (
-            self._round_updates(batch, fwd, out, result, tokens) if batch.want_updates else None
-        )
+        with self._rewind_on_failure(batch.seq_ids):
+            result = self._sample(batch.seq_ids, out.logits, proposal, batch.num_draft)
+            updates = (
+                self._round_updates(batch, fwd, out, result, tokens) if batch.want_updates else None
+            )
         return result, updates
+
+    @contextlib.contextmanager
+    def _rewind_on_failure(self, seq_ids: list[int]):
+        """If the block raises, every seeded generator of ``seq_ids`` is put back as it was,
+        so the engine can verify the round's sequences apart and each seeded one draws the
+        numbers the whole round would have given it. (With TP > 1, a failure on another
+        rank after rank 0 sampled is not rewound: such a seeded request stays correctly
+        distributed but may not repeat its text.)"""
+        saved = [(g, g.get_state()) for s in seq_ids if (g := self.generators[s]) is not None]
+        try:
+            yield
+        except Exception:
+            for g, state in saved:
+                g.set_state(state)
+            raise
 
     @staticmethod
     def _round_updates(
@@ -184,19 +203,7 @@ class Verifier:
         return updates
 
     def _sample(self, seq_ids, logits, proposal: Proposal | None, num_draft) -> StepResult:
-        """Rejection sampling for the batch. If it raises, every seeded generator is put
-        back as it was, so the engine can retry the round's sequences apart and each
-        seeded one draws the numbers the whole round would have given it."""
         gens = [self.generators[s] for s in seq_ids]
-        saved = [(g, g.get_state()) for g in gens if g is not None]
-        try:
-            return self._sample_batch(seq_ids, logits, proposal, num_draft, gens)
-        except Exception:
-            for g, state in saved:
-                g.set_state(state)
-            raise
-
-    def _sample_batch(self, seq_ids, logits, proposal, num_draft, gens) -> StepResult:
         params = [self.sampling[s] for s in seq_ids]
         k, n = max(num_draft), len(seq_ids)
         if proposal is None:  # plain decoding steps: an empty proposal

@@ -69,7 +69,7 @@ class EngineOptions(BaseModel):
         return EngineConfig(
             k=self.k or (drafter.k if drafter is not None else EngineConfig.k),
             max_num_seqs=self.max_num_seqs,
-            drafter_name=self.drafter or "",
+            drafter_name=(self.drafter or "") if self.mode == "spec" else "",
             adaptive=self.adaptive,
             copy_drafts=self.context_copy,
         )

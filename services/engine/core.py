@@ -226,23 +226,39 @@ class Engine:
                 return None, False
             return scatter_proposal(proposal, rows, len(running)), False
         if updates is not None:
-            self.drafter.update(updates)  # keep the drafter's views current
+            self._hand_over(updates, running)  # keep the drafter's views current
         if plan.copies:  # a round without the network: the planned copies draft
             batch.num_draft, proposal = copy_proposal(plan.copies, len(running))
             return proposal, True
         return None, False
 
     def _drafter_failed(self, running: list[Sequence], batch: VerifyBatch, exc: Exception) -> None:
-        """An in-process drafter raised mid-propose: its views of these sequences may be
-        half-updated, so they go on plainly (still exact) and this round verifies none."""
-        log.warning("the drafter failed (%s); %d sequences go on plainly", exc, len(running))
-        self.stats.drafter_errors += 1
-        drop = [s.seq_id for s in running if self.planner.has_state(s.seq_id)]
-        if drop:
-            self.drafter.free(drop)
-            self.planner.go_plain(drop)
+        """An in-process drafter raised mid-propose: this round verifies no drafts."""
+        self._set_aside(running, exc)
         batch.num_draft = [0] * len(running)
         batch.want_updates = self._wants_updates(running)
+
+    def _hand_over(self, updates: Any, seqs: list[Sequence]) -> None:
+        """A verify's updates to the drafter outside a propose (plain rounds, split rounds)."""
+        try:
+            self.drafter.update(updates)
+        except Exception as exc:  # noqa: BLE001 - these sequences go on plainly, unless fatal
+            if is_fatal(exc):
+                raise
+            self._set_aside(seqs, exc)
+
+    def _set_aside(self, seqs: list[Sequence], exc: Exception) -> None:
+        """The drafter raised: its views of these sequences may be half-updated, so they
+        lose their drafter state and go on plainly (still exact)."""
+        log.warning("the drafter failed (%s); %d sequences go on plainly", exc, len(seqs))
+        self.stats.drafter_errors += 1
+        drop = [s.seq_id for s in seqs if self.planner.has_state(s.seq_id)]
+        if drop:
+            self.planner.go_plain(drop)
+            try:
+                self.drafter.free(drop)
+            except Exception:  # noqa: BLE001 - the state is dropped either way
+                log.exception("could not free the drafter state of %s", drop)
 
     def _apart(
         self, seqs: list[Sequence], batch: VerifyBatch, proposal: Proposal | None, exc: Exception
@@ -254,13 +270,14 @@ class Engine:
         the ones the whole round would have given."""
 
         def verify(rows: list[int]) -> None:
+            part = [seqs[i] for i in rows]
             sub = batch.select(rows)
-            sub.want_updates = self._wants_updates([seqs[i] for i in rows])
+            sub.want_updates = self._wants_updates(part)
             result, updates = self.target.verify(sub, _select(proposal, rows))
-            if updates is not None:
-                self.drafter.update(updates)
-            self._commit([seqs[i] for i in rows], result, sub.num_draft)
+            self._commit(part, result, sub.num_draft)  # contained per sequence: never raises
             self.stats.observe_tokens(sub.num_draft, result.num_accepted)
+            if sub.want_updates:
+                self._hand_over(updates, part)
 
         self._bisect(seqs, exc, verify, "a round")
 
@@ -298,16 +315,19 @@ class Engine:
         idempotent: the KV cache restarts at 0, generators and drafter views are made anew."""
         if not seqs:
             return
+        with_drafter = self.planner.admit(seqs)  # decided once: retried parts keep it
         try:
-            self._prefill_batch(seqs)
+            self._prefill_batch(seqs, with_drafter)
         except Exception as exc:  # noqa: BLE001 - contained per sequence unless fatal
             if is_fatal(exc):
                 raise
-            self._bisect(
-                seqs, exc, lambda rows: self._prefill_batch([seqs[i] for i in rows]), "prefill"
-            )
 
-    def _prefill_batch(self, seqs: list[Sequence]) -> None:
+            def retry(rows: list[int]) -> None:
+                self._prefill_batch([seqs[i] for i in rows], with_drafter)
+
+            self._bisect(seqs, exc, retry, "prefill")
+
+    def _prefill_batch(self, seqs: list[Sequence], with_drafter: bool) -> None:
         batch = PrefillBatch(
             [s.seq_id for s in seqs],
             [s.prompt_ids for s in seqs],
@@ -315,7 +335,7 @@ class Engine:
                 SeqSampling(s.params.temperature, s.params.top_k, s.params.top_p, s.params.seed)
                 for s in seqs
             ],
-            want_views=self.planner.admit(seqs),
+            want_views=with_drafter,
         )
         result, views = self.target.prefill(batch)
         if batch.want_views:

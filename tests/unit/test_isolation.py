@@ -77,9 +77,12 @@ def test_a_failing_verify_fails_only_its_sequence(tiny_checkpoints, spec):
     ps = prompts(4, 11)
     alone = [solo(path, p, sp, spec) for p, sp in zip(ps, HEALTHY, strict=False)]
     engine = engine_for(path, spec)
+    if not spec:  # like TargetGroup: an updates handle even when none were asked for
+        real_verify = engine.target.verify
+        engine.target.verify = lambda batch, proposal: (real_verify(batch, proposal)[0], "ref")
     seqs = [engine.add_request(p, sp) for p, sp in zip(ps, HEALTHY + [GREEDY], strict=True)]
     bad = seqs[-1]
-    seen = fail_when_present(engine, bad.seq_id, "_sample_batch", after_calls=3)
+    seen = fail_when_present(engine, bad.seq_id, "_sample", after_calls=3)
     finals = {}
     for s in seqs:
         s.on_output = lambda o: o.finished and finals.__setitem__(o.request_id, o)
@@ -103,7 +106,7 @@ def test_a_failing_prefill_fails_only_its_prompt(tiny_checkpoints):
     alone = [solo(path, p, sp) for p, sp in zip(ps, HEALTHY, strict=False)]
     engine = engine_for(path)
     seqs = [engine.add_request(p, sp) for p, sp in zip(ps, HEALTHY + [GREEDY], strict=True)]
-    fail_when_present(engine, seqs[-1].seq_id, "_sample_batch")  # its first sample: prefill
+    fail_when_present(engine, seqs[-1].seq_id, "_sample")  # its first sample: prefill
     finals = {}
     for s in seqs:
         s.on_output = lambda o: o.finished and finals.__setitem__(o.request_id, o)
@@ -195,3 +198,55 @@ def test_a_sequence_whose_commit_raises_finishes_alone(tiny_checkpoints):
     assert "injected detokenizer failure" in finals[seqs[2].request_id].error
     assert [finals[s.request_id].token_ids for s in seqs[:2]] == alone
     assert engine.stats.isolated_failures == 1 and engine.target.kv_stats()["used_blocks"] == 0
+
+
+def test_a_failure_after_sampling_still_rewinds_the_seeded_generators(tiny_checkpoints):
+    """The round fails while building the drafter's updates, after every sequence sampled:
+    the seeded stream's retry draws the same numbers, so its text equals its solo run."""
+    path = tiny_checkpoints["llama"]
+    ps = prompts(3, 16)
+    alone = [solo(path, p, sp) for p, sp in zip(ps, [GREEDY, SEEDED], strict=False)]
+    engine = engine_for(path)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(ps, [GREEDY, SEEDED, GREEDY], strict=True)]
+    verifier, bad = engine.target.verifier, seqs[-1].seq_id
+    real, calls = verifier._round_updates, {"n": 0}
+
+    def hostile(batch, *args):
+        if bad in batch.seq_ids:
+            calls["n"] += 1
+            if calls["n"] > 2:
+                raise Hostile("injected failure after sampling")
+        return real(batch, *args)
+
+    verifier._round_updates = hostile
+    finals = {}
+    for s in seqs:
+        s.on_output = lambda o: o.finished and finals.__setitem__(o.request_id, o)
+    while engine.has_unfinished():
+        engine.step()
+    assert "after sampling" in finals[seqs[-1].request_id].error
+    assert [finals[s.request_id].token_ids for s in seqs[:2]] == alone
+
+
+def test_a_drafter_update_that_raises_sends_its_sequences_plain(tiny_checkpoints):
+    """Rounds without drafts hand their updates over with ``update``; if it raises, the
+    sequences lose their drafter state and go on plainly, none fails."""
+    path = tiny_checkpoints["llama"]
+    ps = prompts(2, 17)
+    alone = [solo(path, p, GREEDY) for p in ps]
+    engine = engine_for(path)
+    engine.config.k = 1  # every round drafts 1 token, so the last round drafts none
+    real, calls = engine.drafter.update, {"n": 0}
+
+    def broken(updates):
+        calls["n"] += 1
+        raise RuntimeError("injected update failure")
+
+    engine.drafter.update = broken
+    engine.planner.k = 1
+    outs = engine.generate(ps, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert calls["n"] >= 1 and engine.stats.drafter_errors >= 1
+    assert [o.token_ids for o in outs] == [a[:3] for a in alone] and all(
+        o.error is None for o in outs
+    )
+    assert engine.drafter.num_states() == 0 and engine.target.kv_stats()["used_blocks"] == 0
