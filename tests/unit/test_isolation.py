@@ -235,15 +235,14 @@ def test_a_drafter_update_that_raises_sends_its_sequences_plain(tiny_checkpoints
     ps = prompts(2, 17)
     alone = [solo(path, p, GREEDY) for p in ps]
     engine = engine_for(path)
-    engine.config.k = 1  # every round drafts 1 token, so the last round drafts none
-    real, calls = engine.drafter.update, {"n": 0}
+    calls = {"n": 0}
 
     def broken(updates):
         calls["n"] += 1
         raise RuntimeError("injected update failure")
 
     engine.drafter.update = broken
-    engine.planner.k = 1
+    engine.planner.k = 1  # every round drafts 1 token, so the last round drafts none
     outs = engine.generate(ps, SamplingParams(max_tokens=3, ignore_eos=True))
     assert calls["n"] >= 1 and engine.stats.drafter_errors >= 1
     assert [o.token_ids for o in outs] == [a[:3] for a in alone] and all(
