@@ -1,17 +1,32 @@
-"""Linear layers with MKL-packed weights for the small row counts a verify block has.
+"""GEMM weights in the form the CPU rewards: dense (fp32 / bf16) or weight-only int8 / int4.
 
-On CPU, ``F.linear`` re-packs the weight for every call; for a few rows (a verify block
-of k+1 tokens) that packing traffic costs as much as the math. MKL can pack a weight once
-for a given row count M and reuse it: measured here on SmolLM2's shapes, M=8 and M=16
-run ~2x faster per layer. Packing is exact only for the M it was made for, so we keep one
-pack per configured M and fall back to ``F.linear`` for other shapes. Results equal
-``F.linear``'s to float rounding (different summation order), like any other GEMM choice.
+A decode step at small batch is memory-bound: its time is the bytes of weights it streams.
+So besides dense weights we keep two weight-only quantized forms, run by torch's own CPU
+kernels with bf16 activations:
+
+- ``int4``: groups of 32 weights along the input dim, each ``w = (q - 8) * scale + zero``
+  with ``q`` in 0..15 (``_weight_int4pack_mm_for_cpu``). This is the GGUF Q4_1 block
+  (``w = d * q + m``): a checkpoint dequantised from a Q4_1 file is re-quantised exactly,
+  up to the bf16 rounding of ``scale`` and ``zero``.
+- ``int8``: one symmetric scale per output channel (``_weight_int8pack_mm``).
+
+Both kernels compute every row independently of the others (checked in the tests), so a
+sequence's logits do not depend on what it is batched with, as with dense GEMMs.
+
+Dense fp32 weights can also be MKL-packed for chosen row counts M (a verify block's k+1):
+``F.linear`` re-packs the weight on every call, which for a few rows costs as much as the
+math. A pack is exact only for its own M, so other shapes take ``F.linear``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+QUANTS = ("none", "int8", "int4")
+INT4_GROUP = 32
 
 
 def mkl_packing_available() -> bool:
@@ -22,15 +37,57 @@ def mkl_packing_available() -> bool:
     )
 
 
-class PackedWeights:
-    """One weight ``[out, in]`` (fp32) plus MKL packs for selected row counts."""
+def quant_kernels_available() -> bool:
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_weight_int8pack_mm")
+
+
+@dataclass(frozen=True)
+class WeightForm:
+    """How a model's GEMM weights are stored and run (the same for every linear)."""
+
+    quant: str = "none"  # "none" | "int8" | "int4"
+    packed_rows: tuple[int, ...] = ()  # dense fp32 only: row counts MKL pre-packs
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANTS:
+            raise ValueError(
+                f"unknown quantization {self.quant!r}; choose from {', '.join(QUANTS)}"
+            )
+
+    def head(self) -> WeightForm:
+        """The LM head's form. Under int4 it is int8: a GGUF keeps its output / embedding
+        matrix above 4 bits (SmolLM2's Q4_1 file does), and int4 would cost it ~10% error."""
+        return WeightForm("int8") if self.quant == "int4" else self
+
+    def make(self, weight: torch.Tensor) -> Linear:
+        """The linear for ``weight`` ``[out, in]`` (given in the model's dtype, or fp32)."""
+        if self.quant == "int4" and weight.shape[1] % INT4_GROUP == 0:
+            return Int4Linear(weight)
+        if self.quant in ("int4", "int8"):  # int4 on a shape it cannot group: int8
+            return Int8Linear(weight)
+        return DenseLinear(weight, self.packed_rows)
+
+
+class Linear:
+    """``y = x @ W.T + b`` for ``x`` ``[M, in]``; the output has ``x``'s dtype."""
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward streams for this weight."""
+        raise NotImplementedError
+
+
+class DenseLinear(Linear):
+    """A dense weight, plus MKL packs for selected row counts when it is fp32."""
 
     def __init__(self, weight: torch.Tensor, row_counts: tuple[int, ...] = ()) -> None:
         self.weight = weight
         self.packs: dict[int, torch.Tensor] = {}
         if row_counts and weight.dtype == torch.float32 and mkl_packing_available():
-            w = weight.contiguous()
-            self.weight = w
+            self.weight = w = weight.contiguous()
             self.packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in row_counts}
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,3 +95,75 @@ class PackedWeights:
         if pack is None:
             return F.linear(x, self.weight, bias)
         return torch.ops.mkl._mkl_linear(x.contiguous(), pack, self.weight, bias, x.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class _WeightOnly(Linear):
+    """Quantized weight, bf16 activations: inputs of another dtype are cast in and out."""
+
+    act = torch.bfloat16
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self._run(x.to(self.act).contiguous())
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP):
+    """Asymmetric min/max int4 per group of ``group`` inputs (GGUF Q4_1's rule).
+
+    Returns ``q`` ``[out, in]`` int32 in 0..15 and ``scale``, ``zero`` ``[out, in/group]``
+    fp32 with ``w ~= (q - 8) * scale + zero``. A weight whose groups already sit on such a
+    grid (a dequantised Q4_1 checkpoint) comes back exactly.
+    """
+    w = weight.float().reshape(weight.shape[0], -1, group)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = ((w - lo) / safe).round().clamp_(0, 15)
+    q = torch.where(d > 0, q, torch.zeros_like(q))
+    scale, zero = d.squeeze(-1), (lo + 8 * d).squeeze(-1)
+    return q.reshape(weight.shape).to(torch.int32), scale, zero
+
+
+class Int4Linear(_WeightOnly):
+    def __init__(self, weight: torch.Tensor) -> None:
+        q, scale, zero = quantize_int4(weight)
+        self.out_features = weight.shape[0]
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        # the kernel wants [in/group, out, 2] in the activation dtype
+        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).to(self.act).contiguous()
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this linear multiplies by, ``[out, in]`` fp32 (for tests and reports)."""
+        eye = torch.eye(self.packed.shape[1] * 2, dtype=self.act)
+        return self._run(eye).float().t().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * 2
+
+
+class Int8Linear(_WeightOnly):
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.float()
+        amax = w.abs().amax(1, keepdim=True)
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        self.q = (w / scale).round().clamp_(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.squeeze(1).to(self.act)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 2

@@ -15,7 +15,7 @@ from torch import nn
 from target_actor.batch import ForwardBatch, ForwardOutput
 from target_actor.config import ModelConfig
 from target_actor.kv_cache import KVCache
-from target_actor.linear import PackedWeights
+from target_actor.linear import WeightForm
 from target_actor.parallel import TPContext
 from target_actor.rope import RotaryTable, apply_rope
 from target_actor.weights import CheckpointReader
@@ -60,16 +60,16 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * self.inter, d), requires_grad=False)
         self.down = nn.Parameter(torch.empty(d, self.inter), requires_grad=False)
         self.scale = hd**-0.5
-        self.prepare(())
+        self.prepare(WeightForm())
 
-    def prepare(self, row_counts: tuple[int, ...]) -> None:
-        """(Re)build the GEMM weights, MKL-packed for ``row_counts`` (after loading)."""
-        self.lin_qkv, self.lin_o = (
-            PackedWeights(self.qkv, row_counts),
-            PackedWeights(self.o, row_counts),
-        )
-        self.lin_gate_up = PackedWeights(self.gate_up, row_counts)
-        self.lin_down = PackedWeights(self.down, row_counts)
+    def prepare(self, form: WeightForm) -> None:
+        """(Re)build the GEMM weights in ``form`` (after loading). A quantized form frees
+        the dense weights it was made from."""
+        self.lin_qkv, self.lin_o = form.make(self.qkv), form.make(self.o)
+        self.lin_gate_up, self.lin_down = form.make(self.gate_up), form.make(self.down)
+        if form.quant != "none":
+            for p in (self.qkv, self.o, self.gate_up, self.down):
+                p.data = torch.empty(0)
 
     def load(self, ckpt: CheckpointReader, prefix: str) -> None:
         cfg, tp, hd = self.cfg, self.tp, self.cfg.head_dim
@@ -177,7 +177,7 @@ class TargetModel(nn.Module):
             else nn.Parameter(torch.empty(self.vocab_size, d), requires_grad=False)
         )
         self.rope = RotaryTable(cfg, dtype)
-        self.lin_head = PackedWeights(self.lm_head)
+        self.lin_head = WeightForm().make(self.lm_head)
         self.tap_index = {layer: i for i, layer in enumerate(cfg.tap_layer_ids)}
 
     @property
@@ -195,11 +195,17 @@ class TargetModel(nn.Module):
         else:
             self.lm_head = nn.Parameter(ckpt.rows("lm_head.weight", v0, vn), requires_grad=False)
 
-    def prepare(self, row_counts: tuple[int, ...] = ()) -> None:
-        """After loading: pack GEMM weights for the verify row counts (``()``: plain F.linear)."""
+    def prepare(self, form: WeightForm, dtype: torch.dtype) -> None:
+        """After loading (in fp32, or ``dtype`` when nothing is quantized): build every GEMM
+        in ``form``, then cast what stays dense (norms, biases, embeddings) to ``dtype``."""
         for layer in self.layers:
-            layer.prepare(row_counts)
-        self.lin_head = PackedWeights(self.lm_head, row_counts)
+            layer.prepare(form)
+        self.lin_head = form.head().make(self.lm_head)
+        if form.quant != "none" and self.lm_head is not self.embed:
+            self.lm_head.data = torch.empty(0)
+        for p in self.parameters():  # dense layers already reference tensors of ``dtype``
+            if p.numel() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: ids outside this rank's slice contribute zeros."""

@@ -17,20 +17,13 @@ import torch
 from target_actor.batch import ForwardBatch, ForwardOutput
 from target_actor.config import DEFAULT_NUM_TAPS, ModelConfig, TargetConfigError
 from target_actor.kv_cache import KVCache, KVCacheFull
+from target_actor.linear import QUANTS, WeightForm
 from target_actor.model import TargetModel
 from target_actor.parallel import TPContext
+from target_actor.weight_choice import DTYPES, choose
 from target_actor.weights import CheckpointReader
 
 log = logging.getLogger("longspark.target")
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 @dataclass(frozen=True)
@@ -38,7 +31,8 @@ class TargetSpec:
     """How to build a target rank (the same for every rank of a group)."""
 
     path: str
-    dtype: str = "float32"
+    dtype: str = "float32"  # activations, KV cache, dense weights; "auto": timed at start
+    quant: str = "none"  # GEMM weights: none | int8 | int4 | auto (timed at start)
     kv_cache_tokens: int = 65536  # whole-model token budget of the KV pool
     num_taps: int = DEFAULT_NUM_TAPS
     tap_layer_ids: tuple[int, ...] | None = None  # the drafter's taps; default evenly spaced
@@ -46,12 +40,37 @@ class TargetSpec:
     packed_rows: tuple[int, ...] = (8, 16)  # row counts whose GEMM weights MKL pre-packs
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
             raise TargetConfigError(
-                f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}"
+                f"unknown dtype {self.dtype!r}; choose from auto, {', '.join(DTYPES)}"
+            )
+        if self.quant not in ("auto", *QUANTS):
+            raise TargetConfigError(
+                f"unknown quantization {self.quant!r}; choose from auto, {', '.join(QUANTS)}"
             )
         if self.kv_cache_tokens < 16:
             raise TargetConfigError("kv_cache_tokens must be at least 16")
+
+    def resolved(self, tp: int = 1) -> TargetSpec:
+        """This spec with ``auto`` dtype / quant decided (by timing, once), so that every
+        rank of a group builds the same form."""
+        if "auto" not in (self.dtype, self.quant):
+            return self
+        cfg = ModelConfig.from_pretrained(self.path, self.num_taps)
+        choice = _choose(self.dtype, self.quant, _probe_shape(cfg, tp))
+        name = str(choice.dtype).removeprefix("torch.")
+        return dataclasses.replace(self, dtype=name, quant=choice.quant)
+
+
+def _probe_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    return (2 * cfg.intermediate_size // tp, cfg.hidden_size)
+
+
+def _choose(dtype: str, quant: str, shape: tuple[int, int]):
+    try:
+        return choose(dtype, quant, shape)
+    except ValueError as exc:
+        raise TargetConfigError(str(exc)) from None
 
 
 class TargetRunner:
@@ -63,13 +82,15 @@ class TargetRunner:
         if spec.tap_layer_ids is not None:
             self.cfg = dataclasses.replace(self.cfg, tap_layer_ids=tuple(spec.tap_layer_ids))
         self.cfg.check_tp(self.tp.world)
-        dtype = DTYPES[spec.dtype]
+        choice = _choose(spec.dtype, spec.quant, _probe_shape(self.cfg, self.tp.world))
+        dtype, self.quant, self.form_timings = choice.dtype, choice.quant, choice.timings_ms
         t0 = time.perf_counter()
         model = TargetModel(self.cfg, self.tp, dtype)
-        ckpt = CheckpointReader(Path(spec.path), dtype)
+        # quantize from fp32 weights: a dequantised 4-bit checkpoint then comes back exactly
+        ckpt = CheckpointReader(Path(spec.path), dtype if self.quant == "none" else torch.float32)
         model.load(ckpt)
         ckpt.close()
-        model.prepare(tuple(spec.packed_rows))
+        model.prepare(WeightForm(self.quant, tuple(spec.packed_rows)), dtype)
         self.model = model.eval()
         self.cache = KVCache(
             self.cfg.num_layers,
@@ -78,11 +99,14 @@ class TargetRunner:
             spec.kv_cache_tokens,
             dtype=dtype,
         )
+        self.dtype = dtype
         log.info(
-            "rank %d/%d loaded %s in %.1fs",
+            "rank %d/%d loaded %s (%s, weights %s) in %.1fs",
             self.tp.rank,
             self.tp.world,
             spec.path,
+            str(dtype).removeprefix("torch."),
+            self.quant,
             time.perf_counter() - t0,
         )
 

@@ -73,6 +73,7 @@ class TargetGroup:
         """Start ``tp`` ranks in a new ``STRICT_PACK`` placement group, or, when ``pg`` is
         given (a Serve replica's), in its bundles ``first_bundle..first_bundle+tp-1``."""
         ModelConfig.from_pretrained(spec.path, spec.num_taps).check_tp(tp)  # fail before Ray work
+        spec = spec.resolved(tp)  # every rank the same weight form
         self.owns_pg = pg is None
         if pg is None:
             bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}

@@ -1,4 +1,4 @@
-"""``longspark bench decode | spec | drafter | throughput | peers``: the benchmarks.
+"""``longspark bench decode | spec | forms | drafter | throughput | peers``: the benchmarks.
 
 ``throughput`` and ``peers`` write their JSON report (and PNG), print it, and raise
 :class:`BenchFailed` afterwards when the run found problems (failed requests, metrics that
@@ -59,6 +59,13 @@ def add_parser(sub) -> None:
     drf.add_argument("--json", default=None, help="write results to this JSON file")
     drf.add_argument("--plot", default=None, help="write a PNG of the results here")
     drf.add_argument("--target", default=None)
+    frm = bench_sub.add_parser(
+        "forms", help="each weight form's step time and greedy agreement with fp32"
+    )
+    frm.add_argument("--per-category", type=positive_int, default=3, help="prompts per set")
+    frm.add_argument("--max-tokens", type=positive_int, default=128)
+    frm.add_argument("--json", default=None, help="write results to this JSON file")
+    frm.add_argument("--target", default=None)
     _add_serving_benchmarks(bench_sub)
 
 
@@ -134,6 +141,10 @@ def run(args: argparse.Namespace) -> None:
         from services.bench.decode import run_decode_bench
 
         report = run_decode_bench(args)
+    elif args.bench_command == "forms":
+        from services.bench.weight_forms import run_forms_bench
+
+        report = run_forms_bench(args.target, args.per_category, args.max_tokens)
     elif args.bench_command == "spec":
         from services.bench.spec import run_spec_bench
 

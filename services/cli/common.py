@@ -14,7 +14,16 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, fetched once)",
     )
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (Ray actors)")
-    p.add_argument("--dtype", default="float32", help="weight dtype: float32 (default) or bfloat16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="activations, KV cache and dense weights: auto (timed at start), float32, bfloat16",
+    )
+    p.add_argument(
+        "--quant",
+        default="auto",
+        help="GEMM weights: auto (timed at start), none, int8, int4 (GGUF Q4_1's grid)",
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +69,7 @@ def engine_options(args: argparse.Namespace):
         target=args.target,
         tp=args.tp,
         dtype=args.dtype,
+        quant=args.quant,
         mode=getattr(args, "mode", "ar"),
         drafter=getattr(args, "drafter", None),
         k=getattr(args, "k", None),

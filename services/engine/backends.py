@@ -33,7 +33,10 @@ class EngineOptions(BaseModel):
         None, description="local Hugging Face folder; None = the default model (fetched once)"
     )
     tp: int = Field(1, ge=1, description="tensor-parallel degree: target ranks")
-    dtype: str = Field("float32", description="target weight dtype")
+    dtype: str = Field(
+        "auto", description="target activations / KV / dense weights: auto, float32, bfloat16"
+    )
+    quant: str = Field("auto", description="target GEMM weights: auto, none, int8, int4")
     mode: Literal["spec", "ar"] = Field("spec", description="speculative or plain decoding")
     drafter: str | None = Field(
         None,
@@ -53,7 +56,11 @@ class EngineOptions(BaseModel):
 
     def target_spec(self, **extra: Any) -> TargetSpec:
         return TargetSpec(
-            str(self.target), dtype=self.dtype, kv_cache_tokens=self.kv_cache_tokens, **extra
+            str(self.target),
+            dtype=self.dtype,
+            quant=self.quant,
+            kv_cache_tokens=self.kv_cache_tokens,
+            **extra,
         )
 
     def drafter_kwargs(self) -> dict[str, Any]:

@@ -1,0 +1,113 @@
+"""Weight forms: int4 recovers a Q4_1 grid exactly, rows never depend on their batch, and
+``auto`` is decided once per machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from target_actor.batch import ForwardBatch
+from target_actor.config import TargetConfigError
+from target_actor.linear import (
+    Int4Linear,
+    Int8Linear,
+    WeightForm,
+    quant_kernels_available,
+    quantize_int4,
+)
+from target_actor.runner import TargetRunner, TargetSpec
+
+pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no CPU int kernels")
+
+
+def q4_1_grid(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
+    """A weight as a dequantised GGUF Q4_1 tensor holds it: ``d * q + m`` per 32 inputs,
+    ``d`` and ``m`` fp16, every block using its lowest and highest level."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.1).half().float()
+    return (d * q + m).reshape(out_f, in_f)
+
+
+def test_int4_recovers_a_q4_1_grid_exactly():
+    w = q4_1_grid(64, 128)
+    q, scale, zero = quantize_int4(w)
+    back = (q.float().view(64, -1, 32) - 8) * scale[..., None] + zero[..., None]
+    assert torch.equal(back.view(64, 128), w)
+
+
+def test_int4_linear_multiplies_by_its_grid_to_bf16_rounding():
+    w = q4_1_grid(96, 64, seed=1)
+    lin = Int4Linear(w)
+    x = torch.randn(5, 64)
+    got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (5, 96)
+    ref = x @ w.t()
+    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+    assert (lin.dequantized() - w).abs().max().item() <= 0.01 * w.abs().max().item()
+
+
+@pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
+def test_each_row_is_independent_of_its_batch(cls):
+    """A sequence's logits must not depend on what it is batched with."""
+    lin = cls(torch.randn(256, 128) * 0.05)
+    x = torch.randn(33, 128)
+    whole = lin(x)
+    for m in (1, 2, 8, 17):
+        assert torch.equal(lin(x[:m]), whole[:m])
+    assert torch.equal(lin(x[5:6]), whole[5:6])
+
+
+def test_int4_falls_back_to_int8_where_inputs_do_not_group():
+    assert isinstance(WeightForm("int4").make(torch.randn(8, 48)), Int8Linear)
+    assert isinstance(WeightForm("int4").head().make(torch.randn(8, 64)), Int8Linear)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_runner_decodes_like_its_own_prefill(tiny_checkpoints, quant):
+    path = str(tiny_checkpoints["llama"])
+    runner = TargetRunner(TargetSpec(path, quant=quant))
+    layer = runner.model.layers[0]
+    assert layer.qkv.numel() == 0 and layer.gate_up.numel() == 0  # dense copies freed
+    tokens = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    full = runner.forward(ForwardBatch.single(0, tokens, 0, num_logits=24)).logits
+    runner.forward(ForwardBatch.single(1, tokens[:16], 0))
+    step = runner.forward(ForwardBatch.single(1, tokens[16:], 16, num_logits=8)).logits
+    assert (step - full[16:]).abs().max().item() <= 1e-4
+    ref = TargetRunner(TargetSpec(path)).forward(ForwardBatch.single(0, tokens, 0, num_logits=24))
+    # random weights quantize coarsely; the real model's agreement is `longspark bench forms`
+    cos = torch.nn.functional.cosine_similarity(full.flatten(), ref.logits.flatten(), dim=0)
+    assert cos.item() >= 0.9
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"dtype": "float8"}, "unknown dtype 'float8'"),
+        ({"quant": "int3"}, "unknown quantization 'int3'"),
+    ],
+)
+def test_unknown_forms_are_one_line_errors(tiny_checkpoints, kwargs, words):
+    with pytest.raises(TargetConfigError) as err:
+        TargetSpec(str(tiny_checkpoints["llama"]), **kwargs)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_auto_is_timed_once_per_machine(tiny_checkpoints, tmp_path, monkeypatch):
+    from target_actor import weight_choice
+
+    monkeypatch.setenv("LONGSPARK_HOME", str(tmp_path))
+    spec = TargetSpec(str(tiny_checkpoints["llama"]), dtype="auto", quant="auto")
+    first = spec.resolved()
+    assert first.dtype in ("float32", "bfloat16") and first.quant in ("none", "int8", "int4")
+    assert (tmp_path / "weight_forms.json").is_file()
+
+    def no_probe(*_):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(weight_choice, "probe", no_probe)
+    assert spec.resolved() == first
+    runner = TargetRunner(spec)
+    assert (str(runner.dtype).removeprefix("torch."), runner.quant) == (first.dtype, first.quant)
