@@ -25,10 +25,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+# Row counts up to which a block attends row by row when ``TargetModel.row_exact``: a
+# verify block (k+1 rows). Larger blocks are prompt chunks, the same in plain and spec.
+EXACT_ROWS = 32
+
+
 class _AttnPlan:
     """Per-sequence slices and causal masks, built once per forward and shared by all layers."""
 
-    def __init__(self, batch: ForwardBatch, group: int) -> None:
+    def __init__(self, batch: ForwardBatch, group: int, row_exact: bool = False) -> None:
+        # row_exact: blocks of a few rows (verify blocks) attend one row at a time, each
+        # exactly as a 1-row decode step would, so spec rows equal plain rows bit for bit
+        self.row_exact = row_exact
         self.items: list[tuple[int, int, int, int, torch.Tensor | None]] = []
         off = 0
         for seq_id, start, n in zip(batch.seq_ids, batch.start_pos, batch.num_new, strict=True):
@@ -139,6 +147,15 @@ class DecoderLayer(nn.Module):
         out = torch.empty(T, self.heads * hd, dtype=h.dtype)
         for seq_id, off, start, n, mask in plan.items:
             cache.write(layer_id, seq_id, start, k[off : off + n], v[off : off + n])
+            if plan.row_exact and 1 < n <= EXACT_ROWS:
+                for i in range(off, off + n):
+                    keys, values = cache.view(layer_id, seq_id, start + i - off + 1)
+                    qs = q[i : i + 1].transpose(0, 1).reshape(1, self.kv_heads, group, hd)
+                    o = F.scaled_dot_product_attention(
+                        qs, keys[None], values[None], scale=self.scale
+                    )
+                    out[i] = o.reshape(-1)
+                continue
             keys, values = cache.view(layer_id, seq_id, start + n)  # [kv_heads, L, hd]
             # fold the query heads of one KV group together: [1, kv_heads, group * n, hd];
             # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to ~15 small ops)
@@ -179,6 +196,7 @@ class TargetModel(nn.Module):
         self.rope = RotaryTable(cfg, dtype)
         self.lin_head = WeightForm().make(self.lm_head)
         self.tap_index = {layer: i for i, layer in enumerate(cfg.tap_layer_ids)}
+        self.row_exact = False
 
     @property
     def local_kv_heads(self) -> int:
@@ -203,6 +221,10 @@ class TargetModel(nn.Module):
         self.lin_head = form.head().make(self.lm_head)
         if form.quant != "none" and self.lm_head is not self.embed:
             self.lm_head.data = torch.empty(0)
+        # fp32 end to end, a verify row differs from its decode step by float rounding
+        # only, and greedy never flipped on it; through bf16 GEMM inputs those last bits
+        # move roundings and reach the logits, so attention then goes row by row
+        self.row_exact = form.quant != "none" or dtype != torch.float32
         for p in self.parameters():  # dense layers already reference tensors of ``dtype``
             if p.numel() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
@@ -226,7 +248,7 @@ class TargetModel(nn.Module):
             [torch.arange(s, s + n) for s, n in zip(batch.start_pos, batch.num_new, strict=True)]
         )
         cos, sin = self.rope.lookup(positions)
-        plan = _AttnPlan(batch, self.cfg.num_heads // self.cfg.num_kv_heads)
+        plan = _AttnPlan(batch, self.cfg.num_heads // self.cfg.num_kv_heads, self.row_exact)
         h = self.embed_tokens(batch.token_ids)
         taps_h, taps_k, taps_v = [], [], []
         for i, layer in enumerate(self.layers):

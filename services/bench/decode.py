@@ -2,8 +2,8 @@
 
 Both decode the same chat prompt greedily for exactly ``max_tokens`` tokens (EOS ignored);
 each variant is repeated and the median is reported, with the ratio to transformers'
-median from the same run. Variants: ours fp32 (the exactness reference), ours bf16,
-transformers fp32 (and transformers bf16 when ``--dtype bfloat16`` is asked).
+median from the same run. Variants: ours fp32 (the exactness reference), ours bf16, ours
+with int4 weights, transformers fp32 (and transformers bf16 when ``--dtype bfloat16`` is asked).
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ import torch
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def _time_ours(path: str, dtype: str, ids: list[int], n: int, repeats: int) -> dict[str, Any]:
+def _time_ours(
+    path: str, dtype: str, ids: list[int], n: int, repeats: int, quant: str = "none"
+) -> dict[str, Any]:
     from services.engine.core import Engine
     from services.engine.params import SamplingParams
     from services.engine.tokenizer import Tokenizer
     from target_actor.runner import TargetSpec
     from target_actor.worker import LocalTarget
 
-    engine = Engine(LocalTarget(TargetSpec(path, dtype=dtype)), Tokenizer(path))  # plain
+    engine = Engine(LocalTarget(TargetSpec(path, dtype=dtype, quant=quant)), Tokenizer(path))
     engine.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     rates, out = [], None
     for _ in range(repeats):
@@ -63,6 +65,7 @@ def run_decode_bench(args: argparse.Namespace) -> dict[str, Any]:
         "transformers_fp32": _time_hf(path, torch.float32, ids, n, reps),
         "longspark_fp32": _time_ours(path, "float32", ids, n, reps),
         "longspark_bf16": _time_ours(path, "bfloat16", ids, n, reps),
+        "longspark_int4": _time_ours(path, "float32", ids, n, reps, quant="int4"),
     }
     if args.dtype in ("bfloat16", "bf16"):
         results["transformers_bf16"] = _time_hf(path, torch.bfloat16, ids, n, reps)

@@ -59,6 +59,8 @@ class PeersConfig:
     vllm_venv: Path = Path(".venv-peers")
     vllm_timeout_s: float = 3600.0
     systems: list[str] | None = None  # None: all of SYSTEMS
+    dtype: str = "auto"  # our target's weight form, as served
+    quant: str = "auto"
 
     def __post_init__(self) -> None:
         unknown = set(self.systems or ()) - set(SYSTEMS)
@@ -105,6 +107,8 @@ def _ours(cfg: PeersConfig, mode: str, prompts: list[list[int]]) -> dict[str, An
         drafter=drafter,
         k=cfg.k,
         max_num_seqs=max(cfg.concurrency),
+        dtype=cfg.dtype,
+        quant=cfg.quant,
     )
     engine, close = build_engine(opts)
     params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)

@@ -131,6 +131,8 @@ def _add_serving_benchmarks(bench_sub: Any) -> None:
     pe.add_argument("--ngram-k", type=positive_int, default=5)
     pe.add_argument("--vllm-venv", default=".venv-peers")
     pe.add_argument("--systems", default=None, help="comma-separated subset (default: all)")
+    pe.add_argument("--dtype", default="auto", help="ours: activations / KV (as `serve`)")
+    pe.add_argument("--quant", default="auto", help="ours: GEMM weights (as `serve`)")
     pe.add_argument("--json", default=None, help="write the report to this JSON file")
 
 
@@ -220,6 +222,8 @@ def _peers(args: argparse.Namespace) -> dict[str, Any]:
         ngram_k=args.ngram_k,
         vllm_venv=Path(args.vllm_venv),
         systems=[s.strip() for s in args.systems.split(",")] if args.systems else None,
+        dtype=args.dtype,
+        quant=args.quant,
     )
     return run_peers_bench(cfg)
 

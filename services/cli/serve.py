@@ -69,6 +69,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--max-num-seqs", type=_positive_int, default=None, help="running sequences per replica"
     )
+    model.add_argument(
+        "--dtype", default=None, help="activations / KV / dense weights: auto, float32, bfloat16"
+    )
+    model.add_argument("--quant", default=None, help="GEMM weights: auto, none, int8, int4")
     scale = p.add_argument_group("replicas")
     scale.add_argument("--min-replicas", type=_positive_int, default=None)
     scale.add_argument("--max-replicas", type=_positive_int, default=None)

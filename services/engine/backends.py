@@ -9,13 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.engine.core import Engine, EngineConfig
 from services.engine.tokenizer import Tokenizer
 from target_actor.checkpoint import resolve_target
 from target_actor.config import ModelConfig
+from target_actor.linear import QUANTS
 from target_actor.runner import TargetSpec
+from target_actor.weight_choice import DTYPES
 
 log = logging.getLogger("longspark.backends")
 
@@ -53,6 +55,20 @@ class EngineOptions(BaseModel):
     max_num_seqs: int = Field(32, ge=1, description="running sequences at once")
     kv_cache_tokens: int = Field(65536, ge=16, description="KV-cache token budget")
     seed: int = Field(0, description="seed of the drafter's sampler for unseeded requests")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v != "auto" and v not in DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; choose from auto, {', '.join(DTYPES)}")
+        return v
+
+    @field_validator("quant")
+    @classmethod
+    def _known_quant(cls, v: str) -> str:
+        if v != "auto" and v not in QUANTS:
+            raise ValueError(f"unknown quantization {v!r}; choose from auto, {', '.join(QUANTS)}")
+        return v
 
     def target_spec(self, **extra: Any) -> TargetSpec:
         return TargetSpec(

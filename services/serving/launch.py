@@ -34,6 +34,8 @@ OVERRIDES = {
     "k": "k",
     "adaptive": "adaptive",
     "max_num_seqs": "max_num_seqs",
+    "dtype": "dtype",
+    "quant": "quant",
     "min_replicas": "min_replicas",
     "max_replicas": "max_replicas",
     "api_key": "api_key",

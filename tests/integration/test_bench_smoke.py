@@ -86,6 +86,7 @@ def test_bench_peers_smoke_transformers_only(smollm2_path, tmp_path):
             "--max-tokens", "4",
             "--num-prompts", "2",
             "--vllm-venv", str(tmp_path / "no-venv"),
+            "--dtype", "float32", "--quant", "none",  # the form transformers runs
             "--json", str(report_path),
         ],
         timeout_s=300,

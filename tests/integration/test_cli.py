@@ -34,6 +34,10 @@ def test_generate_paris_matches_transformers(smollm2_path):
         "The capital of France is",
         "--max-tokens",
         "8",
+        "--dtype",  # the exact reference form, as transformers runs it
+        "float32",
+        "--quant",
+        "none",
         "--json",
     )
     assert proc.returncode == 0, proc.stderr

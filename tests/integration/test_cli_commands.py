@@ -44,7 +44,12 @@ def test_bench_decode(smollm2_path, tmp_path):
     longspark("bench", "decode", "--max-tokens", "4", "--repeats", "1", "--json", str(out))
     report = json.loads(out.read_text())
     assert report["greedy_tokens_identical_fp32"]
-    assert set(report["results"]) == {"transformers_fp32", "longspark_fp32", "longspark_bf16"}
+    assert set(report["results"]) == {
+        "transformers_fp32",
+        "longspark_fp32",
+        "longspark_bf16",
+        "longspark_int4",
+    }
 
 
 def test_train_data_drafter_export_and_eval(smollm2_path, tmp_path):
