@@ -111,3 +111,23 @@ def test_auto_is_timed_once_per_machine(tiny_checkpoints, tmp_path, monkeypatch)
     assert spec.resolved() == first
     runner = TargetRunner(spec)
     assert (str(runner.dtype).removeprefix("torch."), runner.quant) == (first.dtype, first.quant)
+
+
+@pytest.mark.parametrize("quant", ["int4", "none"])
+def test_a_verify_block_equals_its_decode_steps_bit_for_bit(tiny_checkpoints, quant):
+    """Through bf16 GEMM inputs, spec == plain needs each verify row to be computed exactly
+    as its 1-row decode step (the attention goes row by row there). With ``row_exact``
+    off, the bf16 case fails here (checked when this was written)."""
+    path = str(tiny_checkpoints["qwen2"])
+    dtype = "float32" if quant == "int4" else "bfloat16"
+    runner = TargetRunner(TargetSpec(path, dtype=dtype, quant=quant))
+    assert runner.model.row_exact
+    tokens = torch.randint(0, 97, (208,), generator=torch.Generator().manual_seed(5)).tolist()
+    runner.forward(ForwardBatch.single(0, tokens[:200], 0))
+    block = runner.forward(ForwardBatch.single(0, tokens[200:], 200, num_logits=8)).logits
+    runner.forward(ForwardBatch.single(1, tokens[:200], 0))
+    steps = [
+        runner.forward(ForwardBatch.single(1, [t], 200 + i)).logits
+        for i, t in enumerate(tokens[200:])
+    ]
+    assert torch.equal(block, torch.cat(steps))
