@@ -142,7 +142,16 @@ def generate_training_data(
             pool = focus_pool(pool, focus)
 
         engine, close = build_engine(
-            EngineOptions(mode="ar", target=str(path), max_num_seqs=batch_size, seed=seed)
+            # the exact reference form: records stay the checkpoint's own greedy text on
+            # every machine, whatever weight form `auto` would pick here
+            EngineOptions(
+                mode="ar",
+                target=str(path),
+                max_num_seqs=batch_size,
+                seed=seed,
+                dtype="float32",
+                quant="none",
+            )
         )
         try:
             if not engine.tok.has_chat_template:

@@ -88,14 +88,21 @@ class EngineOptions(BaseModel):
             seed=self.seed,
         )
 
-    def engine_config(self, drafter: Any | None) -> EngineConfig:
+    def engine_config(self, drafter: Any | None, spec: TargetSpec | None = None) -> EngineConfig:
+        """``spec``: the resolved target spec (its weight form sets ``any_k``)."""
         return EngineConfig(
             k=self.k or (drafter.k if drafter is not None else EngineConfig.k),
             max_num_seqs=self.max_num_seqs,
             drafter_name=(self.drafter or "") if self.mode == "spec" else "",
             adaptive=self.adaptive,
             copy_drafts=self.context_copy,
+            any_k=spec is not None and not mkl_packed(spec),
         )
+
+
+def mkl_packed(spec: TargetSpec) -> bool:
+    """Whether the target's GEMMs are fp32 with MKL packs for verify row counts."""
+    return spec.quant == "none" and spec.dtype in ("float32", "fp32") and bool(spec.packed_rows)
 
 
 def views_window(drafter: Any | None) -> int:
@@ -142,7 +149,7 @@ def build_engine(opts: EngineOptions, backend: str = "local") -> tuple[Engine, C
     if use_ray:
         _ensure_ray(opts.tp + 2)
     closers: list[Callable[[], None]] = []
-    spec, drafter = opts.target_spec(), None
+    spec, drafter = opts.target_spec().resolved(opts.tp), None
     if opts.mode == "spec":
         cls = RayDrafter if use_ray else LocalDrafter
         drafter = cls(opts.target, opts.drafter, **opts.drafter_kwargs())
@@ -152,7 +159,7 @@ def build_engine(opts: EngineOptions, backend: str = "local") -> tuple[Engine, C
     window = views_window(drafter)
     target = TargetGroup(spec, opts.tp, window=window) if use_ray else LocalTarget(spec, window)
     closers.append(target.shutdown)
-    engine = Engine(target, Tokenizer(path), drafter, opts.engine_config(drafter))
+    engine = Engine(target, Tokenizer(path), drafter, opts.engine_config(drafter, spec))
 
     def close() -> None:
         for fn in reversed(closers):

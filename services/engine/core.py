@@ -56,6 +56,9 @@ class EngineConfig:
     probe_every: int = 256  # adaptive, drafter aside: rounds between probe sequences
     # adaptive: rounds without the network draft context copies where they pay
     copy_drafts: bool = False
+    # adaptive: consider every k in 0..k; False: only 0 or k, for fp32 MKL-packed GEMMs,
+    # whose middle row counts cost more than a full block (adaptive/policy.py, _choices)
+    any_k: bool = False
 
     def __post_init__(self) -> None:
         if min(self.k, self.max_num_seqs, self.max_prefill_seqs, self.probe_every) < 1:
@@ -96,6 +99,7 @@ class Engine:
             self.config.adaptive,
             self.config.copy_drafts,
             self.config.probe_every,
+            self.config.any_k,
         )
         if drafter is not None:
             target.set_summary_queries(drafter.summary_queries())

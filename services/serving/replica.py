@@ -33,7 +33,7 @@ def build_replica_engine(
 
     pg = get_current_placement_group()
     resources = args.actor_resources()
-    spec = args.target_spec(num_threads=args.rank_threads)
+    spec = args.target_spec(num_threads=args.rank_threads).resolved(args.tp)
     drafter: ResilientDrafter | None = None
     if args.mode == "spec":
         strategy = (
@@ -71,7 +71,7 @@ def build_replica_engine(
         target = TargetGroup(
             spec, args.tp, resources["CPU"], resources.get("GPU", 0.0), window=window
         )
-    engine = Engine(target, Tokenizer(args.target), drafter, args.engine_config(drafter))
+    engine = Engine(target, Tokenizer(args.target), drafter, args.engine_config(drafter, spec))
 
     def close() -> None:
         if drafter is not None:

@@ -39,6 +39,10 @@ def server(smollm2_path):
         cpus_per_actor=0.5,
         api_key=KEY,
         drafter_timeout_s=20,
+        # TP=3 against TP=1 in-process: only fp32 keeps their greedy text equal (through
+        # bf16 GEMM inputs, the ranks' partial sums round differently)
+        dtype="float32",
+        quant="none",
     )
     with serve_app(args) as url:
         yield url
@@ -49,7 +53,9 @@ def plain(smollm2_path):
     """Plain greedy decoding in this process (TP=1), the reference for every output."""
     from services.engine.backends import EngineOptions, build_engine
 
-    engine, close = build_engine(EngineOptions(target=str(smollm2_path), mode="ar"))
+    engine, close = build_engine(
+        EngineOptions(target=str(smollm2_path), mode="ar", dtype="float32", quant="none")
+    )
     yield engine
     close()
 

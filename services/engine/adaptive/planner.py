@@ -50,10 +50,11 @@ class RoundPlanner:
         adaptive: bool = False,
         copy_drafts: bool = False,
         probe_every: int = 256,
+        any_k: bool = False,
     ) -> None:
         self.k, self.max_len, self.stats, self.probe_every = k, max_len, stats, probe_every
         self.drafter = drafter
-        self.policy = SpecPolicy(k) if drafter and adaptive else None
+        self.policy = SpecPolicy(k, all_or_nothing=not any_k) if drafter and adaptive else None
         self.copier = CopyPlanner(k) if self.policy and copy_drafts else None
         self.plain_only: set[int] = set()  # sequences without drafter state, plain to the end
         self.probes: set[int] = set()  # admitted with state while the drafter is aside
