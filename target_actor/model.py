@@ -15,37 +15,51 @@ from torch import nn
 from target_actor.batch import ForwardBatch, ForwardOutput
 from target_actor.config import ModelConfig
 from target_actor.kv_cache import KVCache
+from target_actor.layer_ops import NativeOps, TorchOps, ops_for, rms_norm
 from target_actor.linear import WeightForm
 from target_actor.parallel import TPContext
-from target_actor.rope import RotaryTable, apply_rope
+from target_actor.rope import RotaryTable
 from target_actor.weights import CheckpointReader
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-# Row counts up to which a block attends row by row when ``TargetModel.row_exact``: a
-# verify block (k+1 rows). Larger blocks are prompt chunks, the same in plain and spec.
+# Blocks of up to this many rows (decode rows, verify blocks of k+1) are the ones a
+# plain and a speculative run must compute identically; larger ones are prompt chunks,
+# the same in both modes, and go to torch's fused SDPA (GEMM-blocked, faster for many rows).
 EXACT_ROWS = 32
 
 
 class _AttnPlan:
-    """Per-sequence slices and causal masks, built once per forward and shared by all layers."""
+    """Which sequences attend where, built once per forward and shared by all layers.
 
-    def __init__(self, batch: ForwardBatch, group: int, row_exact: bool = False) -> None:
-        # row_exact: blocks of a few rows (verify blocks) attend one row at a time, each
-        # exactly as a 1-row decode step would, so spec rows equal plain rows bit for bit
+    Short blocks of every sequence go to one C kernel call per layer (``native``): each
+    row attends alone, in an order of operations fixed by its own length, so a verify
+    row equals its decode step bit for bit and no row depends on its batch. Without the
+    kernel they go through SDPA per sequence, row by row when ``row_exact`` (bf16 GEMM
+    inputs turn SDPA's block-size-dependent last bits into different logits).
+    """
+
+    def __init__(
+        self, batch: ForwardBatch, group: int, cache: KVCache, lib=None, row_exact: bool = False
+    ) -> None:
         self.row_exact = row_exact
         self.items: list[tuple[int, int, int, int, torch.Tensor | None]] = []
+        native_rows: list[tuple[int, int, int, int, int]] = []
         off = 0
         for seq_id, start, n in zip(batch.seq_ids, batch.start_pos, batch.num_new, strict=True):
-            mask = None
-            if n > 1:  # query i (absolute start+i) sees keys 0..start+i
-                q_pos = torch.arange(start, start + n).unsqueeze(1)
-                mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).repeat(group, 1)
-            self.items.append((seq_id, off, start, n, mask))
+            if lib is not None and n <= EXACT_ROWS:
+                data = cache.seqs[seq_id].data
+                native_rows.append((data.data_ptr(), data.shape[3], start, n, off))
+            else:
+                mask = None
+                if n > 1:  # query i (absolute start+i) sees keys 0..start+i
+                    q_pos = torch.arange(start, start + n).unsqueeze(1)
+                    mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).repeat(group, 1)
+                self.items.append((seq_id, off, start, n, mask))
             off += n
+        self.native = None
+        if native_rows:
+            # columns: cache base, capacity, start, rows, first row (kept alive here)
+            self.meta = torch.tensor(native_rows, dtype=torch.int64).t().contiguous()
+            self.native = (lib.ls_attend, len(native_rows), *(c.data_ptr() for c in self.meta))
 
 
 class DecoderLayer(nn.Module):
@@ -75,6 +89,8 @@ class DecoderLayer(nn.Module):
         the dense weights it was made from."""
         self.lin_qkv, self.lin_o = form.make(self.qkv), form.make(self.o)
         self.lin_gate_up, self.lin_down = form.make(self.gate_up), form.make(self.down)
+        # the GEMMs' input dtype: the quantized kernels take bf16, dense ones the model's
+        self.act = torch.bfloat16 if form.quant != "none" else None
         if form.quant != "none":
             for p in (self.qkv, self.o, self.gate_up, self.down):
                 p.data = torch.empty(0)
@@ -122,29 +138,47 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        y: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         plan: _AttnPlan,
         cache: KVCache,
         layer_id: int,
+        ops: TorchOps | NativeOps,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``h`` ``[T, hidden]`` -> new ``h``, and this rank's new K, V ``[T, kv_heads, head_dim]``."""
-        cfg, hd = self.cfg, self.cfg.head_dim
-        T = h.shape[0]
-        qkv = self.lin_qkv(rms_norm(h, self.input_norm, cfg.rms_norm_eps), self.qkv_bias)
-        q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        q, k, v = (
-            q.view(T, self.heads, hd),
-            k.view(T, self.kv_heads, hd),
-            v.view(T, self.kv_heads, hd),
-        )
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        """One layer on the residual stream ``h`` ``[T, hidden]``, updated in place.
 
+        ``y`` is the previous layer's output, still to be added to ``h`` (the add is fused
+        into this layer's first norm); returns this layer's output and this rank's new
+        K, V ``[T, kv_heads, head_dim]``."""
+        hd, eps, act = self.cfg.head_dim, self.cfg.rms_norm_eps, self.act or h.dtype
+        x = ops.add_rms_norm(h, y, self.input_norm, eps, act)
+        q, k, v = ops.qkv_rope(
+            self.lin_qkv(x), self.qkv_bias, self.q_norm, self.k_norm, eps, cos, sin,
+            self.heads, self.kv_heads, hd,
+        )  # fmt: skip
+        attn = self._attend(q, k, v, plan, cache, layer_id)
+        y = self._reduce(self.lin_o(attn.to(act)))
+        if self.o_bias is not None:
+            y = y.to(h.dtype) + self.o_bias
+        x = ops.add_rms_norm(h, y, self.post_norm, eps, act)
+        y = self._reduce(self.lin_down(ops.silu_mul(self.lin_gate_up(x), act)))
+        return y, k, v
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs (in fp32 or the model dtype, never bf16 GEMM output)."""
+        if not self.tp.enabled:
+            return y
+        return self.tp.all_reduce(y.to(self.input_norm.dtype))
+
+    def _attend(self, q, k, v, plan: _AttnPlan, cache: KVCache, layer_id: int) -> torch.Tensor:
+        """Store the new K/V rows and attend: short blocks in one C call, prompt chunks
+        (and everything without the C kernels) through SDPA per sequence."""
+        hd, T = self.cfg.head_dim, q.shape[0]
         group = self.heads // self.kv_heads
-        out = torch.empty(T, self.heads * hd, dtype=h.dtype)
+        out = torch.empty(T, self.heads * hd, dtype=q.dtype)
+        if plan.native is not None:
+            self._attend_native(plan, layer_id, q, k, v, out)
         for seq_id, off, start, n, mask in plan.items:
             cache.write(layer_id, seq_id, start, k[off : off + n], v[off : off + n])
             if plan.row_exact and 1 < n <= EXACT_ROWS:
@@ -164,14 +198,33 @@ class DecoderLayer(nn.Module):
                 qs, keys[None], values[None], attn_mask=mask, scale=self.scale
             )
             out[off : off + n] = o.view(self.heads, n, hd).transpose(0, 1).reshape(n, -1)
-        attn = self.tp.all_reduce(self.lin_o(out))
-        if self.o_bias is not None:
-            attn = attn + self.o_bias
-        h = h + attn
+        return out
 
-        gate, up = self.lin_gate_up(rms_norm(h, self.post_norm, cfg.rms_norm_eps)).chunk(2, -1)
-        h = h + self.tp.all_reduce(self.lin_down(F.silu(gate) * up))
-        return h, k, v
+    def _attend_native(self, plan: _AttnPlan, layer_id: int, q, k, v, out) -> None:
+        """Store the short blocks' K/V and attend all their rows: one C call."""
+        fn, nseq, base, cap, start, nnew, row0 = plan.native
+        rc = fn(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            out.data_ptr(),
+            nseq,
+            base,
+            cap,
+            start,
+            nnew,
+            row0,
+            layer_id,
+            self.heads,
+            self.kv_heads,
+            self.cfg.head_dim,
+            self.scale,
+        )
+        if rc != 0:
+            raise RuntimeError(f"native attention failed ({rc})")
 
 
 class TargetModel(nn.Module):
@@ -197,6 +250,7 @@ class TargetModel(nn.Module):
         self.lin_head = WeightForm().make(self.lm_head)
         self.tap_index = {layer: i for i, layer in enumerate(cfg.tap_layer_ids)}
         self.row_exact = False
+        self.ops = ops_for(dtype, cfg.head_dim)
 
     @property
     def local_kv_heads(self) -> int:
@@ -225,6 +279,7 @@ class TargetModel(nn.Module):
         # only, and greedy never flipped on it; through bf16 GEMM inputs those last bits
         # move roundings and reach the logits, so attention then goes row by row
         self.row_exact = form.quant != "none" or dtype != torch.float32
+        self.ops = ops_for(dtype, self.cfg.head_dim)
         for p in self.parameters():  # dense layers already reference tensors of ``dtype``
             if p.numel() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
@@ -248,17 +303,20 @@ class TargetModel(nn.Module):
             [torch.arange(s, s + n) for s, n in zip(batch.start_pos, batch.num_new, strict=True)]
         )
         cos, sin = self.rope.lookup(positions)
-        plan = _AttnPlan(batch, self.cfg.num_heads // self.cfg.num_kv_heads, self.row_exact)
-        h = self.embed_tokens(batch.token_ids)
+        ops, group = self.ops, self.cfg.num_heads // self.cfg.num_kv_heads
+        lib = ops.lib if isinstance(ops, NativeOps) else None
+        plan = _AttnPlan(batch, group, cache, lib, self.row_exact and lib is None)
+        h, y = self.embed_tokens(batch.token_ids), None
         taps_h, taps_k, taps_v = [], [], []
         for i, layer in enumerate(self.layers):
-            h, k, v = layer(h, cos, sin, plan, cache, i)
+            y, k, v = layer(h, y, cos, sin, plan, cache, i, ops)
             if batch.return_taps and i in self.tap_index:
-                taps_h.append(h)
+                taps_h.append(h + y)  # the layer's output hidden state (h itself lags by y)
                 taps_k.append(self._gather_heads(k))
                 taps_v.append(self._gather_heads(v))
-        rows = self._logit_rows(batch)
-        out = ForwardOutput(logits=self.logits(h[rows]))
+        x = ops.add_rms_norm(h, y, self.norm, self.cfg.rms_norm_eps, self.layers[0].act or h.dtype)
+        local = self.lin_head(x[self._logit_rows(batch)])
+        out = ForwardOutput(logits=self.tp.all_gather_last(local, self.cfg.vocab_size).float())
         if batch.return_taps:
             out.tap_hidden = torch.stack(taps_h, dim=1)  # [T, L, hidden]
             out.tap_k, out.tap_v = torch.stack(taps_k), torch.stack(taps_v)

@@ -1,0 +1,113 @@
+"""The target's C kernels (``target_actor/csrc``), built for this CPU on first use.
+
+One shared library, compiled by the system C compiler with ``-O3 -march=native
+-fopenmp`` into ``$LONGSPARK_HOME/kernels/`` and keyed by the source, the flags and
+the CPU's feature flags, so each machine builds once (about a second) and every process
+on it loads the same file. It links the libgomp torch already loaded, so the kernels
+share torch's OpenMP threads instead of bringing a second pool to two cores.
+
+Without a compiler, or with ``LONGSPARK_NATIVE=0``, ``library()`` is None and the model
+runs the same steps as torch ops (``target_actor/layer_ops.py``): slower by Python and
+dispatch overhead, with the same guarantees (spec equals plain) and different last bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger("longspark.target")
+
+SOURCES = ("common.h", "attention.c", "rowwise.c")
+LANES = 16  # head_dim must be a multiple of the kernels' vector width (csrc LANES)
+# -fno-trapping-math lets floorf (in exp) vectorise; nothing here reassociates floats
+CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(compiler: str) -> Path:
+    from target_actor.checkpoint import longspark_home
+
+    src_dir = Path(__file__).with_name("csrc")
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((src_dir / name).read_bytes())
+    digest.update(" ".join((compiler, *CFLAGS, _cpu_flags())).encode())
+    out = longspark_home() / "kernels" / f"longspark-{digest.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [
+        compiler,
+        *CFLAGS,
+        "-o",
+        tmp,
+        *(str(src_dir / n) for n in SOURCES if n.endswith(".c")),
+        "-lm",
+    ]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, out)  # atomic: concurrent builders race harmlessly
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernels for this machine, or None (no compiler, a failed build, or disabled)."""
+    if os.environ.get("LONGSPARK_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler: the target uses its slower torch attention path")
+        return None
+    try:
+        import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share it)
+
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("C kernels unavailable (%s): using the torch attention path", detail)
+        return None
+    i32, f32 = ctypes.c_int, ctypes.c_float
+    signatures = {
+        # q, k, v (+ row strides), out, sequences, base, cap, start, nnew, row0, layer,
+        # heads, kv_heads, head_dim, scale
+        "ls_attend": [*(_PTR, _I64) * 3, _PTR, _I64, *(_PTR,) * 5, _I64, i32, i32, i32, f32],
+        # h, y, y_bf16, w, eps, out, out_bf16, rows, n
+        "ls_add_rms_norm": [_PTR, _PTR, i32, _PTR, f32, _PTR, i32, _I64, _I64],
+        # qkv, bf16, stride, bias, q_norm, k_norm, eps, cos, sin, q, k, v, rows, heads,
+        # kv_heads, head_dim
+        "ls_qkv_rope": [_PTR, i32, _I64, *(_PTR,) * 3, f32, *(_PTR,) * 5, _I64, i32, i32, i32],
+        # gate_up, bf16, out, out_bf16, rows, n
+        "ls_silu_mul": [_PTR, i32, _PTR, i32, _I64, _I64],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int if name == "ls_attend" else None
+        fn.argtypes = argtypes
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
