@@ -25,7 +25,7 @@ from target_actor.summary import (
     update_summary,
 )
 
-PREFILL_TOKENS = 1024  # prompt tokens per prefill forward: bounds activations and masks
+PREFILL_TOKENS = 1024  # prompt tokens per prefill forward (and its chunk grid): bounds activations
 
 
 class _ViewBuilder:
@@ -96,14 +96,20 @@ class Verifier:
         )
         last_logits: dict[int, torch.Tensor] = {}
         while progress:
+            # chunks lie on a grid of PREFILL_TOKENS from each prompt's start, whatever it
+            # is batched with: the attention over a chunk (SDPA) rounds by the chunk's
+            # extent, so a batch-dependent split would change the prompt's KV bits, and
+            # through bf16 GEMM inputs the answer. A chunk that does not fit waits.
             ids, chunks, budget = [], [], PREFILL_TOKENS
             for seq_id, done in progress.items():
-                if budget == 0:
-                    break
-                chunk = prompts[seq_id][done : done + budget]
+                chunk = prompts[seq_id][done : done + PREFILL_TOKENS]
+                if ids and len(chunk) > budget:
+                    continue
                 ids.append(seq_id)
                 chunks.append(chunk)
                 budget -= len(chunk)
+                if budget <= 0:
+                    break
             ends = [
                 progress[s] + len(c) == len(prompts[s]) for s, c in zip(ids, chunks, strict=True)
             ]

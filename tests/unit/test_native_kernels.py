@@ -1,0 +1,177 @@
+"""The C kernels: as accurate as torch's ops, a row never depends on its batch or its block,
+and a machine without a compiler gets the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from target_actor import native
+from target_actor.batch import ForwardBatch
+from target_actor.kv_cache import KVCache
+from target_actor.layer_ops import NativeOps, TorchOps, ops_for
+from target_actor.model import DecoderLayer, _AttnPlan
+from target_actor.runner import TargetRunner, TargetSpec
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler")
+
+
+def _layer(heads: int, kv_heads: int, hd: int) -> DecoderLayer:
+    layer = DecoderLayer.__new__(DecoderLayer)  # just what _attend_native reads
+    layer.heads, layer.kv_heads, layer.scale = heads, kv_heads, hd**-0.5
+    layer.cfg = type("Cfg", (), {"head_dim": hd})
+    return layer
+
+
+def attend(seqs, heads=6, kv_heads=2, hd=32):
+    """Run the kernel over ``seqs``: (cached length, new rows, seed) each; a sequence's
+    cache, queries and new K/V come from its own seed, whatever else is in the call."""
+    cache = KVCache(2, kv_heads, hd, 10_000)
+    qs, kvs = [], []
+    for s, (length, n, seed) in enumerate(seqs):
+        gen = torch.Generator().manual_seed(seed)
+        cache.reserve(s, length + n)
+        cache.set_length(s, length + n)
+        data = cache.seqs[s].data
+        data[:, :, :, : length + n].copy_(
+            torch.randn(data[:, :, :, : length + n].shape, generator=gen)
+        )
+        qs.append(torch.randn(n, heads, hd, generator=gen))
+        kvs.append(torch.randn(n, 2 * kv_heads * hd, generator=gen))
+    q, kv = torch.cat(qs), torch.cat(kvs)  # k, v as strided views, as in a layer
+    T = q.shape[0]
+    k, v = kv[:, : kv_heads * hd].view(T, kv_heads, hd), kv[:, kv_heads * hd :].view(T, -1, hd)
+    news = [n for _, n, _ in seqs]
+    batch = ForwardBatch(
+        list(range(len(seqs))), torch.zeros(T, dtype=torch.long), news, [s[0] for s in seqs], news
+    )
+    plan = _AttnPlan(batch, heads // kv_heads, cache, native.library())
+    out = torch.empty(T, heads * hd)
+    _layer(heads, kv_heads, hd)._attend_native(plan, 1, q, k, v, out)
+    return cache, q, k, v, out
+
+
+def test_attention_matches_fp64_sdpa_and_stores_the_new_rows():
+    lens, news = [0, 300, 77, 5], [1, 8, 3, 1]
+    cache, q, k, v, out = attend(list(zip(lens, news, range(4), strict=True)))
+    off, group = 0, 3
+    for s, (length, n) in enumerate(zip(lens, news, strict=True)):
+        keys, values = cache.view(1, s, length + n)
+        assert torch.equal(keys[:, length:], k[off : off + n].transpose(0, 1))
+        assert torch.equal(values[:, length:], v[off : off + n].transpose(0, 1))
+        for r in range(n):  # row r sees keys 0..length+r
+            qs = q[off + r].view(2, group, -1)[None].double()
+            ref = F.scaled_dot_product_attention(
+                qs,
+                keys[None, :, : length + r + 1].double(),
+                values[None, :, : length + r + 1].double(),
+            )
+            assert (ref.flatten().float() - out[off + r]).abs().max().item() < 1e-5
+        off += n
+
+
+def test_a_row_is_the_same_alone_in_a_block_or_in_any_batch():
+    """Bit for bit: a sequence's rows do not depend on the others in the call, and row i
+    of a verify block equals the 1-row step at the same position."""
+    _, _, _, _, alone = attend([(40, 8, 3)])
+    _, _, _, _, batched = attend([(500, 1, 4), (40, 8, 3), (3, 6, 5)])
+    assert torch.equal(alone, batched[1:9])
+    # the same sequence one row at a time: row i sees the cache up to 40 + i
+    cache, q, k, v, block = attend([(40, 8, 3)])
+    for i in range(8):
+        batch = ForwardBatch([0], torch.zeros(1, dtype=torch.long), [1], [40 + i], [1])
+        plan = _AttnPlan(batch, 3, cache, native.library())
+        one = torch.empty(1, 6 * 32)
+        _layer(6, 2, 32)._attend_native(plan, 1, q[i : i + 1], k[i : i + 1], v[i : i + 1], one)
+        assert torch.equal(one[0], block[i])
+
+
+def close(a: torch.Tensor, b: torch.Tensor, act: torch.dtype) -> bool:
+    """Equal up to one rounding of ``act`` (torch rounds bf16 at every op, C once)."""
+    rel = 1e-2 if act == torch.bfloat16 else 1e-5
+    return bool(((a.float() - b.float()).abs() <= rel * b.float().abs() + 1e-5).all())
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_rowwise_ops_match_torch(act):
+    gen = torch.Generator().manual_seed(1)
+    c, t = NativeOps(native.library()), TorchOps()
+    h = torch.randn(5, 96, generator=gen)
+    y = torch.randn(5, 96, generator=gen).to(act)
+    w = torch.rand(96, generator=gen) + 0.5
+    h1, h2 = h.clone(), h.clone()
+    a, b = c.add_rms_norm(h1, y, w, 1e-6, act), t.add_rms_norm(h2, y, w, 1e-6, act)
+    assert torch.equal(h1, h2)  # the residual add is one fp32 rounding in both
+    assert a.dtype == act and close(a, b, act)
+
+    heads, kv, hd = 4, 2, 32
+    qkv = torch.randn(5, (heads + 2 * kv) * hd, generator=gen).to(act)
+    bias = torch.randn((heads + 2 * kv) * hd, generator=gen)
+    qn, kn = torch.rand(hd, generator=gen) + 0.5, torch.rand(hd, generator=gen) + 0.5
+    ang = torch.rand(5, hd // 2, generator=gen) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    for norms in ((None, None), (qn, kn)):
+        got = c.qkv_rope(qkv, bias, *norms, 1e-6, cos, sin, heads, kv, hd)
+        ref = t.qkv_rope(qkv, bias, *norms, 1e-6, cos, sin, heads, kv, hd)
+        for x, r in zip(got, ref, strict=True):
+            assert x.shape == r.shape and (x - r).abs().max().item() < 1e-5
+
+    gu = torch.randn(5, 2 * 96, generator=gen).mul(4).to(act)
+    got, ref = c.silu_mul(gu, act), t.silu_mul(gu, act)
+    assert got.dtype == act and close(got, ref, act)
+
+
+def test_a_sequence_decodes_the_same_alone_or_batched(tiny_checkpoints):
+    """Whole model, int4 (row-invariant GEMMs): one request's logits are bit for bit the
+    same whether it runs alone or beside others at other lengths."""
+    runner = TargetRunner(TargetSpec(str(tiny_checkpoints["qwen2"]), quant="int4"))
+    assert isinstance(runner.model.ops, NativeOps)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (30, 90, 12)]
+    for s, p in enumerate(prompts):
+        runner.forward(ForwardBatch.single(s, p, 0))
+    runner.forward(ForwardBatch.single(9, prompts[0], 0))
+    alone = runner.forward(ForwardBatch.single(9, [5, 6, 7], 30, num_logits=3)).logits
+    batch = ForwardBatch(
+        [1, 0, 2], torch.tensor([1, 5, 6, 7, 2, 3]), [1, 3, 2], [90, 30, 12], [1, 3, 2]
+    )
+    together = runner.forward(batch).logits
+    assert torch.equal(alone, together[1:4])
+
+
+def test_without_a_compiler_the_model_uses_torch(monkeypatch):
+    monkeypatch.setenv("LONGSPARK_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+        assert isinstance(ops_for(torch.float32, 64), TorchOps)
+    finally:
+        monkeypatch.delenv("LONGSPARK_NATIVE")
+        native.library.cache_clear()
+    assert isinstance(ops_for(torch.float32, 64), NativeOps)
+    assert isinstance(ops_for(torch.float32, 40), TorchOps)  # head_dim off the vector width
+    assert isinstance(ops_for(torch.bfloat16, 64), TorchOps)  # bf16 stream: torch
+
+
+@pytest.mark.parametrize("quant", ["int4", "none"])
+def test_a_prompt_prefills_the_same_whatever_it_is_batched_with(
+    tiny_checkpoints, monkeypatch, quant
+):
+    """Prompt chunks lie on a fixed grid: packed after another prompt, a prompt is split
+    where it would be alone, so its KV rows (and so its answer) are bit for bit the same.
+    (Splitting by the leftover budget, as before, fails here in fp32: there the chunk
+    rows also change the GEMMs' shapes.)"""
+    from target_actor import verifier
+    from target_actor.batch import PrefillBatch, SeqSampling
+    from target_actor.worker import LocalTarget
+
+    monkeypatch.setattr(verifier, "PREFILL_TOKENS", 64)
+    target = LocalTarget(TargetSpec(str(tiny_checkpoints["llama"]), quant=quant))
+    gen = torch.Generator().manual_seed(11)
+    a, b = (torch.randint(0, 97, (n,), generator=gen).tolist() for n in (100, 40))
+    greedy = SeqSampling()
+    target.prefill(PrefillBatch([0], [a], [greedy], want_views=False))
+    target.prefill(PrefillBatch([1, 2], [b, a], [greedy, greedy], want_views=False))
+    cache = target.runner.cache
+    assert torch.equal(cache.seqs[0].data[:, :, :, :100], cache.seqs[2].data[:, :, :, :100])
