@@ -148,6 +148,16 @@ class Drafter:
         net.set_target_weights(*load_target_head(target_dir, target))
         return cls(net, seed)
 
+    def cast(self, dtype: torch.dtype) -> Drafter:
+        """Run in ``dtype`` (weights and new sequence states): bf16 where this CPU's bf16
+        GEMMs are faster. Drafts stay exact proposals: ``q`` is what they were sampled from."""
+        if self.states:
+            raise DrafterStateError("cast a drafter before it holds sequences")
+        net, tied = self.net.to(dtype), self.net.lm_head is self.net.embed
+        net.embed = net.embed.to(dtype)
+        net.lm_head = net.embed if tied else net.lm_head.to(dtype)
+        return self
+
     def save_pretrained(self, folder: str | Path, dtype: str = "float32") -> None:
         save_drafter(folder, self.cfg, self.net.state_dict(), dtype)
 

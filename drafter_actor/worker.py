@@ -34,8 +34,20 @@ class DrafterSpec:
     context_copy: bool | None = None  # override the checkpoint's context-copy flag
     baseline: bool = False  # the full-prefix (DFlash-style) drafter instead of LongSpark
     num_threads: int | None = None
+    dtype: str = "auto"  # float32 | bfloat16 | auto: bf16 where this CPU's bf16 GEMMs win
     overrides: dict[str, Any] | None = None  # DrafterConfig fields for a random drafter
     init_std: float = 0.02  # a random drafter's weight scale
+
+
+def drafter_dtype(name: str, cfg: DrafterConfig) -> torch.dtype:
+    """``name`` as a dtype; ``auto`` is the dense form the target's timing picks on this
+    machine (cached per machine) for the drafter's MLP shape."""
+    from target_actor.weight_choice import choose
+
+    try:
+        return choose(name, "none", (2 * cfg.mlp_width, cfg.target.hidden_size)).dtype
+    except ValueError as exc:
+        raise DrafterConfigError(str(exc)) from None
 
 
 class DrafterWorker:
@@ -65,6 +77,7 @@ class DrafterWorker:
             self.drafter = cls.random(
                 spec.target_path, config, seed=spec.seed, init_std=spec.init_std
             )
+        self.drafter.cast(drafter_dtype(spec.dtype, self.drafter.cfg))
         if spec.k is not None and not 1 <= spec.k <= self.drafter.cfg.block_size:
             raise DrafterConfigError(
                 f"k={spec.k} outside 1..{self.drafter.cfg.block_size} (the drafter's block size)"

