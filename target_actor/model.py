@@ -1,9 +1,11 @@
-"""Llama / Qwen2 / Qwen3 decoder in plain torch, with a ragged batched forward.
+"""Llama / Qwen2 / Qwen3 decoder in plain torch plus C kernels, with a ragged batched forward.
 
 One forward runs every sequence's new tokens through the linears as one ``[T, hidden]``
-matrix; only attention is per sequence (each against its own cache rows). Tensor
-parallelism is in the weights (each rank holds its heads / channels / vocab slice) and
-two collectives from ``TPContext``; at TP=1 they vanish.
+matrix; between them, the row-wise steps (norms, RoPE, SiLU) run fused per row
+(``layer_ops``), and attention takes one C call per layer for every sequence's decode rows
+and verify blocks (prompt chunks: SDPA per sequence). Tensor parallelism is in the weights
+(each rank holds its heads / channels / vocab slice) and two collectives from
+``TPContext``; at TP=1 they vanish.
 """
 
 from __future__ import annotations

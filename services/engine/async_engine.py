@@ -26,6 +26,7 @@ still waiting for a running slot ``queue_timeout_s`` after it reached the server
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -135,6 +136,13 @@ class _Call:
     done: Future
 
 
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """``a`` then ``b`` as one delta: new tokens and text joined, the rest from ``b``."""
+    return dataclasses.replace(
+        b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text
+    )
+
+
 class AsyncEngine:
     """An :class:`Engine` run by one background thread; asyncio-facing admit/stream/abort.
 
@@ -192,7 +200,10 @@ class AsyncEngine:
         return results
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        """The request's output deltas until it finishes; abort it if the reader goes away."""
+        """The request's output deltas until it finishes; abort it if the reader goes away.
+
+        Deltas that queued up while the reader was busy go out merged into one, so a
+        loaded replica sends fewer, larger messages instead of falling further behind."""
         finished = False
         try:
             while True:
@@ -200,8 +211,17 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                pending: BaseException | None = None
+                while not item.finished and not stream.queue.empty():
+                    nxt = stream.queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        pending = nxt
+                        break
+                    item = merge_deltas(item, nxt)
+                finished = item.finished or pending is not None
                 yield item
+                if pending is not None:
+                    raise pending
                 if finished:
                     return
         finally:

@@ -468,3 +468,30 @@ def test_no_top_p_in_range_fails_a_request_or_its_neighbours(engine, plain):
     assert [r.status_code for r in hostile] == [200] * len(tiny), [r.text for r in hostile]
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == engine.tok.decode(plain_tokens(plain, engine.tok.encode(prompt), 40))
+
+
+def test_deltas_queued_while_the_reader_was_busy_go_out_merged():
+    """A slow reader gets one delta carrying everything queued, then the rest in order;
+    the joined tokens and text are exactly what was put."""
+    from services.engine.async_engine import RequestStream
+    from services.engine.sequence import RequestOutput
+
+    async def go():
+        stream = RequestStream("r", asyncio.get_running_loop())
+        outs = [RequestOutput("r", [i], f"t{i}", False, text="", token_ids=[]) for i in range(4)]
+        outs.append(RequestOutput("r", [4], "t4", True, "length", "t0t1t2t3t4", [0, 1, 2, 3, 4]))
+        for out in outs[:3]:
+            stream.queue.put_nowait(out)
+        got = []
+        reader = AsyncEngine.__new__(AsyncEngine)  # stream() needs no engine until aborting
+        async for delta in reader.stream(stream):
+            got.append(delta)
+            if len(got) == 1:
+                for out in outs[3:]:
+                    stream.queue.put_nowait(out)
+        return got
+
+    got = run(go())
+    assert [d.new_token_ids for d in got] == [[0, 1, 2], [3, 4]]
+    assert "".join(d.new_text for d in got) == "t0t1t2t3t4"
+    assert got[-1].finished and got[-1].finish_reason == "length"

@@ -116,8 +116,9 @@ def test_auto_is_timed_once_per_machine(tiny_checkpoints, tmp_path, monkeypatch)
 @pytest.mark.parametrize("quant", ["int4", "none"])
 def test_a_verify_block_equals_its_decode_steps_bit_for_bit(tiny_checkpoints, quant):
     """Through bf16 GEMM inputs, spec == plain needs each verify row to be computed exactly
-    as its 1-row decode step (the attention goes row by row there). With ``row_exact``
-    off, the bf16 case fails here (checked when this was written)."""
+    as its 1-row decode step: int4 (fp32 stream) takes the C attention, which does each
+    row alone; bf16 takes torch's SDPA row by row (``row_exact``; with it off, the bf16
+    case fails here, checked when this was written)."""
     path = str(tiny_checkpoints["qwen2"])
     dtype = "float32" if quant == "int4" else "bfloat16"
     runner = TargetRunner(TargetSpec(path, dtype=dtype, quant=quant))
