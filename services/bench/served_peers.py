@@ -132,13 +132,7 @@ def _server(system: str, cfg: ServedPeersConfig):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        log.close()
-        if system.startswith("longspark"):  # the local Ray `serve` started
-            subprocess.run(
-                [str(Path(sys.executable).with_name("ray")), "stop", "--force"],
-                capture_output=True,
-                check=False,
-            )
+        log.close()  # `longspark serve` stops the local Ray it started on SIGTERM
 
 
 def _eos_bias(system: str) -> dict[str, Any]:

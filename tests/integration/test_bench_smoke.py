@@ -136,3 +136,29 @@ def test_bench_spec_smoke(smollm2_path, tmp_path):
         assert "token_ids" not in run[mode]
     assert run["spec_fixed_k"]["num_draft_tokens"] > 0  # it did speculate
     assert len(run["speedup_adaptive_repeats"]) == 2 and run["speedup_fixed_k"] > 0
+
+
+def test_bench_peers_served_smoke(smollm2_path, tmp_path):
+    """`bench peers --served`: our plain server started as a user starts it, driven over
+    HTTP by the shared client; a peer without its venv is skipped with a pointer."""
+    report_path, png = tmp_path / "s.json", tmp_path / "s.png"
+    done = run_cli(
+        [
+            "bench", "peers", "--served",
+            "--systems", "longspark_ar,vllm",
+            "--concurrency", "1,2",
+            "--max-tokens", "4",
+            "--num-prompts", "2",
+            "--vllm-venv", str(tmp_path / "no-venv"),
+            "--json", str(report_path), "--plot", str(png),
+        ],
+        timeout_s=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert set(report["systems"]) == {"longspark_ar"} and "vllm" in report["skipped"]
+    assert "docs/BENCHMARKS.md" in report["skipped"]["vllm"]
+    stages = report["systems"]["longspark_ar"]["stages"]
+    assert [s["stage"] for s in stages] == ["C=1", "C=2"]
+    assert all(s["failed"] == 0 and s["output_tokens"] == 4 * 2 for s in stages)
+    assert png.stat().st_size > 0
