@@ -52,7 +52,8 @@ class _AttnPlan:
                 native_rows.append((data.data_ptr(), data.shape[3], start, n, off))
             else:
                 mask = None
-                if n > 1:  # query i (absolute start+i) sees keys 0..start+i
+                if n > 1 and not (row_exact and n <= EXACT_ROWS):  # rows alone need none
+                    # query i (absolute start+i) sees keys 0..start+i
                     q_pos = torch.arange(start, start + n).unsqueeze(1)
                     mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).repeat(group, 1)
                 self.items.append((seq_id, off, start, n, mask))

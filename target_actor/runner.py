@@ -17,10 +17,10 @@ import torch
 from target_actor.batch import ForwardBatch, ForwardOutput
 from target_actor.config import DEFAULT_NUM_TAPS, ModelConfig, TargetConfigError
 from target_actor.kv_cache import KVCache, KVCacheFull
-from target_actor.linear import QUANTS, WeightForm
+from target_actor.linear import WeightForm
 from target_actor.model import TargetModel
 from target_actor.parallel import TPContext
-from target_actor.weight_choice import DTYPES, choose
+from target_actor.weight_choice import check_form_names, choose
 from target_actor.weights import CheckpointReader
 
 log = logging.getLogger("longspark.target")
@@ -40,14 +40,10 @@ class TargetSpec:
     packed_rows: tuple[int, ...] = (8, 16)  # row counts whose GEMM weights MKL pre-packs
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise TargetConfigError(
-                f"unknown dtype {self.dtype!r}; choose from auto, {', '.join(DTYPES)}"
-            )
-        if self.quant not in ("auto", *QUANTS):
-            raise TargetConfigError(
-                f"unknown quantization {self.quant!r}; choose from auto, {', '.join(QUANTS)}"
-            )
+        try:
+            check_form_names(self.dtype, self.quant)
+        except ValueError as exc:
+            raise TargetConfigError(str(exc)) from None
         if self.kv_cache_tokens < 16:
             raise TargetConfigError("kv_cache_tokens must be at least 16")
 

@@ -67,15 +67,21 @@ def probe(shape: tuple[int, int], candidates: list[tuple[torch.dtype, str]]) -> 
     return result
 
 
+def check_form_names(dtype: str, quant: str) -> None:
+    """One-line ``ValueError`` for a ``--dtype`` / ``--quant`` name that is neither ``auto``
+    nor known (the one check behind the CLI, the serving config and ``TargetSpec``)."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    if quant != "auto" and quant not in QUANTS:
+        raise ValueError(f"unknown quantization {quant!r}; choose from auto, {', '.join(QUANTS)}")
+
+
 def choose(dtype: str, quant: str, shape: tuple[int, int]) -> Choice:
     """Resolve ``auto`` in ``dtype`` / ``quant`` by measurement (see the module doc).
 
     Raises ``ValueError`` (one line) for an unknown name or a form this torch lacks.
     """
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
-    if quant != "auto" and quant not in QUANTS:
-        raise ValueError(f"unknown quantization {quant!r}; choose from auto, {', '.join(QUANTS)}")
+    check_form_names(dtype, quant)
     if quant in ("int8", "int4") and not quant_kernels_available():
         raise ValueError(f"this torch ({torch.__version__}) has no CPU {quant} weight kernels")
     if dtype != "auto" and quant != "auto":

@@ -15,9 +15,8 @@ from services.engine.core import Engine, EngineConfig
 from services.engine.tokenizer import Tokenizer
 from target_actor.checkpoint import resolve_target
 from target_actor.config import ModelConfig
-from target_actor.linear import QUANTS
 from target_actor.runner import TargetSpec
-from target_actor.weight_choice import DTYPES
+from target_actor.weight_choice import check_form_names
 
 log = logging.getLogger("longspark.backends")
 
@@ -59,15 +58,13 @@ class EngineOptions(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        if v != "auto" and v not in DTYPES:
-            raise ValueError(f"unknown dtype {v!r}; choose from auto, {', '.join(DTYPES)}")
+        check_form_names(v, "auto")
         return v
 
     @field_validator("quant")
     @classmethod
     def _known_quant(cls, v: str) -> str:
-        if v != "auto" and v not in QUANTS:
-            raise ValueError(f"unknown quantization {v!r}; choose from auto, {', '.join(QUANTS)}")
+        check_form_names("auto", v)
         return v
 
     def target_spec(self, **extra: Any) -> TargetSpec:
