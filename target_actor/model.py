@@ -298,8 +298,11 @@ class TargetModel(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on ``h`` ``[N, hidden]`` -> ``[N, vocab]`` (gathered, fp32)."""
-        local = self.lin_head(rms_norm(h, self.norm, self.cfg.rms_norm_eps))
-        return self.tp.all_gather_last(local, self.cfg.vocab_size).float()
+        return self._head(rms_norm(h, self.norm, self.cfg.rms_norm_eps))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """LM head on normed rows -> ``[N, vocab]``, gathered over the ranks, fp32."""
+        return self.tp.all_gather_last(self.lin_head(x), self.cfg.vocab_size).float()
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         positions = torch.cat(
@@ -307,8 +310,7 @@ class TargetModel(nn.Module):
         )
         cos, sin = self.rope.lookup(positions)
         ops, group = self.ops, self.cfg.num_heads // self.cfg.num_kv_heads
-        lib = ops.lib if isinstance(ops, NativeOps) else None
-        plan = _AttnPlan(batch, group, cache, lib, self.row_exact and lib is None)
+        plan = _AttnPlan(batch, group, cache, ops.lib, self.row_exact)
         h, y = self.embed_tokens(batch.token_ids), None
         taps_h, taps_k, taps_v = [], [], []
         for i, layer in enumerate(self.layers):
@@ -318,8 +320,7 @@ class TargetModel(nn.Module):
                 taps_k.append(self._gather_heads(k))
                 taps_v.append(self._gather_heads(v))
         x = ops.add_rms_norm(h, y, self.norm, self.cfg.rms_norm_eps, self.layers[0].act or h.dtype)
-        local = self.lin_head(x[self._logit_rows(batch)])
-        out = ForwardOutput(logits=self.tp.all_gather_last(local, self.cfg.vocab_size).float())
+        out = ForwardOutput(logits=self._head(x[self._logit_rows(batch)]))
         if batch.return_taps:
             out.tap_hidden = torch.stack(taps_h, dim=1)  # [T, L, hidden]
             out.tap_k, out.tap_v = torch.stack(taps_k), torch.stack(taps_v)
