@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from target_actor.linear import inference_linear
+
 
 class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int) -> None:
@@ -26,7 +28,17 @@ class MarkovHead(nn.Module):
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
         """Transition bias ``[..., V_d]`` for previous draft ids ``prev`` ``[...]``."""
-        return F.embedding(prev, self.w1) @ self.w2
+        rows = F.embedding(prev, self.w1)
+        if torch.is_grad_enabled() or self.w2.dtype != torch.bfloat16:
+            return rows @ self.w2
+        return inference_linear(rows, self._w2_rows())
+
+    def _w2_rows(self) -> torch.Tensor:
+        """``w2`` as ``[V_d, r]`` rows for the C GEMM, kept until ``w2`` changes."""
+        key = (self.w2.data_ptr(), self.w2._version)
+        if getattr(self, "_w2t_key", None) != key:
+            self._w2t, self._w2t_key = self.w2.detach().t().contiguous(), key
+        return self._w2t
 
     def teacher_forced(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Corrected logits ``[n, k, V_d]`` given the true previous tokens ``prev`` ``[n, k]``."""
@@ -60,10 +72,18 @@ def sample_block(
     one_hot = torch.zeros(n, support, dtype=torch.float32, device=base.device)
     one_hot[:, 0] = 1.0
     prev, tokens, q_ids, q_probs = anchor, [], [], []
+    all_greedy = bool(greedy.all())
+    vocab, offsets = base.shape[-1], torch.arange(support, device=base.device)
     for i in range(k):
         logits = (base[:, i] + head(prev)).float() * inv_t.unsqueeze(-1)  # [n, V_d]
-        top, ids = logits.topk(support, dim=-1)  # [n, K_q], sorted: ids[:, 0] is the argmax
-        probs = torch.where(greedy, one_hot, torch.softmax(top, dim=-1))
+        # greedy rows: q is one-hot at the argmax, then the ids after it (distinct, no
+        # mass), without a top-k; so a row's proposal does not depend on the batch's others
+        ids = (logits.argmax(-1, keepdim=True) + offsets) % vocab
+        probs = one_hot
+        if not all_greedy:
+            top, top_ids = logits.topk(support, dim=-1)  # [n, K_q], sorted
+            ids = torch.where(greedy, ids, top_ids)
+            probs = torch.where(greedy, one_hot, torch.softmax(top, dim=-1))
         cdf = probs.cumsum(-1)  # inverse CDF never lands on a zero-probability entry...
         pick = torch.searchsorted(cdf, uniforms[:, i : i + 1] * cdf[:, -1:], right=True)
         # ... unless u * cdf rounds up to the total: then the last entry with mass (probs

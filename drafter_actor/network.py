@@ -35,6 +35,7 @@ from drafter_actor.config import DrafterConfig
 from drafter_actor.context_copy import MAX_NGRAM
 from drafter_actor.markov import MarkovHead
 from target_actor.config import ModelConfig
+from target_actor.linear import inference_linear
 from target_actor.model import rms_norm
 from target_actor.rope import RotaryTable, apply_rope
 
@@ -48,6 +49,13 @@ class LayerContext:
     mask: torch.Tensor  # [N, C] bool: True where a row is present
     summary_m: torch.Tensor | None = None  # [N, H, R, hd]: values for the summary keys G
     summary_mask: torch.Tensor | None = None  # [N, H, R] bool: False for an empty slot
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (no bias) whose inference forward takes the C GEMM in bf16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return inference_linear(x, self.weight)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -66,15 +74,15 @@ class DrafterLayer(nn.Module):
         self.heads, self.kv_heads, self.head_dim = t.num_heads, t.num_kv_heads, hd
         self.group = self.heads // self.kv_heads
         self.input_norm = nn.Parameter(torch.ones(d))
-        self.q_proj = nn.Linear(d, self.heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.kv_heads * hd, bias=False)
+        self.q_proj = Linear(d, self.heads * hd, bias=False)
+        self.k_proj = Linear(d, self.kv_heads * hd, bias=False)
+        self.v_proj = Linear(d, self.kv_heads * hd, bias=False)
         self.q_norm = nn.Parameter(torch.ones(hd)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(hd)) if cfg.qk_norm else None
-        self.o_proj = nn.Linear(self.heads * hd, d, bias=False)
+        self.o_proj = Linear(self.heads * hd, d, bias=False)
         self.post_norm = nn.Parameter(torch.ones(d))
-        self.gate_up = nn.Linear(d, 2 * cfg.mlp_width, bias=False)
-        self.down = nn.Linear(cfg.mlp_width, d, bias=False)
+        self.gate_up = Linear(d, 2 * cfg.mlp_width, bias=False)
+        self.down = Linear(cfg.mlp_width, d, bias=False)
         self.scale = hd**-0.5
 
     def kv(
@@ -143,17 +151,17 @@ class DrafterNetwork(nn.Module):
         self.cfg = cfg
         t, L = cfg.target, cfg.num_layers
         d, H, R, hd = t.hidden_size, t.num_heads, cfg.summary_slots, t.head_dim
-        self.fuse_proj = nn.Linear(L * d, d, bias=False)  # F: L*d -> d, then RMSNorm
+        self.fuse_proj = Linear(L * d, d, bias=False)  # F: L*d -> d, then RMSNorm
         self.fuse_norm = nn.Parameter(torch.ones(d))
         self.mask_embedding = nn.Parameter(torch.zeros(d))  # the MASK slots' input
         self.carry_embedding = nn.Parameter(torch.zeros(L * d))  # E_carry
         # the boundary state fed straight into the block's rows (EAGLE-style), besides its
         # K/V row: zero at init, so a drafter trained without it starts unchanged
-        self.boundary_proj = nn.Linear(d, d, bias=False) if cfg.boundary_input else None
+        self.boundary_proj = Linear(d, d, bias=False) if cfg.boundary_input else None
         # the context-copy candidate of each MASK slot (its embedding, projected) plus a
         # vector per match length; the projection starts as the identity (the candidate's
         # own embedding), since from zero it grows too slowly to be learned in a short run
-        self.copy_proj = nn.Linear(d, d, bias=False) if cfg.copy_input else None
+        self.copy_proj = Linear(d, d, bias=False) if cfg.copy_input else None
         self.copy_bias = nn.Parameter(torch.zeros(MAX_NGRAM + 1, d)) if cfg.copy_input else None
         self.summary_queries = nn.Parameter(torch.zeros(L, H, R, hd))  # G
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(L))
@@ -194,13 +202,21 @@ class DrafterNetwork(nn.Module):
             raise ValueError("d2t must be a strictly increasing list of draft_vocab_size ids")
         if int(d2t[0]) < 0 or int(d2t[-1]) >= V:
             raise ValueError(f"d2t ids must lie in 0..{V - 1}")
-        dtype = self.fuse_proj.weight.dtype
+        act, gemm = self.norm.dtype, self.fuse_proj.weight.dtype  # differ after gemm_weights_to
         self.d2t = d2t.clone()
         self.t2d = torch.full((V,), self.cfg.draft_vocab_size, dtype=torch.long)
         self.t2d[d2t] = torch.arange(len(d2t))
-        self.embed = embed.to(dtype)
+        self.embed = embed.to(act)
         head = lm_head if self.cfg.full_vocab else lm_head[d2t]  # full vocab: d2t == arange
-        self.lm_head = self.embed if head is embed else head.to(dtype)
+        self.lm_head = self.embed if head is embed and act == gemm else head.to(gemm)
+
+    def gemm_weights_to(self, dtype: torch.dtype) -> None:
+        """Cast only what the GEMMs read (linears, LM head, Markov ``W2``) to ``dtype``."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.weight.data = module.weight.data.to(dtype)
+        self.markov.w2.data = self.markov.w2.data.to(dtype)
+        self.lm_head = self.lm_head.to(dtype)  # a copy even when tied: the embedding stays
 
     # -- the pieces of a block pass -----------------------------------------------------
 
@@ -259,7 +275,7 @@ class DrafterNetwork(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Base logits ``[..., V_d]`` over the draft vocabulary from hidden ``[..., d]``."""
-        return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return inference_linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
     def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target ids -> draft ids (``V_d`` for ids outside the draft vocabulary)."""

@@ -25,8 +25,11 @@ from pathlib import Path
 
 log = logging.getLogger("longspark.target")
 
-SOURCES = ("common.h", "attention.c", "rowwise.c")
+SOURCES = ("common.h", "attention.c", "rowwise.c", "gemm.c")
 LANES = 16  # head_dim must be a multiple of the kernels' vector width (csrc LANES)
+GEMM_CHANNELS = 4  # the GEMMs take out_features in multiples of this (csrc/gemm.c NB)
+GEMM_STEP = 32  # ... and in_features in multiples of this (csrc/gemm.c STEP)
+GEMM_INT8, GEMM_BF16 = 0, 1  # ls_gemm's weight kinds
 # -fno-trapping-math lets floorf (in exp) vectorise; nothing here reassociates floats
 CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 _I64 = ctypes.c_int64
@@ -41,14 +44,15 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     from target_actor.checkpoint import longspark_home
 
+    flags = (*CFLAGS, *extra_flags)
     src_dir = Path(__file__).with_name("csrc")
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((src_dir / name).read_bytes())
-    digest.update(" ".join((compiler, *CFLAGS, _cpu_flags())).encode())
+    digest.update(" ".join((compiler, *flags, _cpu_flags())).encode())
     out = longspark_home() / "kernels" / f"longspark-{digest.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -57,7 +61,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     cmd = [
         compiler,
-        *CFLAGS,
+        *flags,
         "-o",
         tmp,
         *(str(src_dir / n) for n in SOURCES if n.endswith(".c")),
@@ -72,23 +76,36 @@ def _build(compiler: str) -> Path:
     return out
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The kernels for this machine, or None (no compiler, a failed build, or disabled)."""
     if os.environ.get("LONGSPARK_NATIVE", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler: the target uses its slower torch attention path")
         return None
     try:
-        import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share it)
-
-        lib = ctypes.CDLL(str(_build(compiler)))
+        return build_variant(compiler=compiler)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("C kernels unavailable (%s): using the torch attention path", detail)
         return None
+
+
+def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None) -> ctypes.CDLL:
+    """Build (or reuse) and load the kernels with ``extra_flags`` added, e.g.
+    ``("-mno-avx512bf16",)`` for the path of a CPU without bf16 (tests)."""
+    import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share it)
+
+    compiler = compiler or _compiler()
+    if compiler is None:
+        raise OSError("no C compiler")
+    lib = ctypes.CDLL(str(_build(compiler, extra_flags)))
     i32, f32 = ctypes.c_int, ctypes.c_float
     signatures = {
         # q, k, v (+ row strides), out, sequences, base, cap, start, nnew, row0, layer,
@@ -101,10 +118,13 @@ def library() -> ctypes.CDLL | None:
         "ls_qkv_rope": [_PTR, i32, _I64, *(_PTR,) * 3, f32, *(_PTR,) * 5, _I64, i32, i32, i32],
         # gate_up, bf16, out, out_bf16, rows, n
         "ls_silu_mul": [_PTR, i32, _PTR, i32, _I64, _I64],
+        # kind (0 int8, 1 bf16), x, M, K, weights, scales, N, y
+        "ls_gemm": [i32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
+        "ls_gemm_bf16_dot": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int if name == "ls_attend" else None
+        fn.restype = ctypes.c_int if name.startswith(("ls_attend", "ls_gemm")) else None
         fn.argtypes = argtypes
     return lib
 

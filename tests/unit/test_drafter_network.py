@@ -135,7 +135,9 @@ def test_block_is_non_causal_and_context_rows_are_unordered():
             )
             for c in ctxs
         ]
-        assert (net(x, positions, shuffled) - ref).abs().max() <= 1e-5
+        assert (
+            net(x, positions, shuffled) - ref
+        ).abs().max() <= 3e-5  # attention sums in another order
         junk = [
             LayerContext(
                 c.k,

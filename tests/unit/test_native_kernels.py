@@ -175,3 +175,56 @@ def test_a_prompt_prefills_the_same_whatever_it_is_batched_with(
     target.prefill(PrefillBatch([1, 2], [b, a], [greedy, greedy], want_views=False))
     cache = target.runner.cache
     assert torch.equal(cache.seqs[0].data[:, :, :, :100], cache.seqs[2].data[:, :, :, :100])
+
+
+@pytest.fixture(scope="module", params=["native", "fp32-path"])
+def gemm_lib(request):
+    """The kernels as built for this CPU, and as built for one without AVX512-BF16 (the
+    fp32 path), so both paths are checked on any machine that can compile them."""
+    if request.param == "native":
+        return native.library()
+    return native.build_variant(("-mno-avx512bf16",))
+
+
+@pytest.mark.parametrize("kind", [native.GEMM_INT8, native.GEMM_BF16])
+def test_gemm_matches_fp64_and_a_row_never_depends_on_its_batch(gemm_lib, kind):
+    from target_actor.linear import native_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    N, K = 96, 160  # K: an odd number of 32-wide steps
+    x = torch.randn(70, K, generator=gen).bfloat16()  # 70 rows: two passes of 64
+    if kind == native.GEMM_INT8:
+        w = torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8)
+        scale = torch.rand(N, generator=gen) * 0.01
+        dense = w.double() * scale.double()[:, None]
+    else:
+        w, scale = torch.randn(N, K, generator=gen).bfloat16(), None
+        dense = w.double()
+    whole = native_gemm(gemm_lib, kind, x, w, scale)
+    ref = x.double() @ dense.t()
+    assert whole.dtype == torch.float32 and whole.shape == (70, N)
+    assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for lo, hi in ((0, 1), (3, 11), (5, 6), (64, 70)):
+        assert torch.equal(
+            native_gemm(gemm_lib, kind, x[lo:hi].contiguous(), w, scale), whole[lo:hi]
+        )
+
+
+def test_gemm_build_variants_take_their_paths(gemm_lib):
+    has_bf16 = "avx512_bf16" in native._cpu_flags().split()
+    fp32_path = gemm_lib is not native.library()
+    assert gemm_lib.ls_gemm_bf16_dot() == int(has_bf16 and not fp32_path)
+
+
+def test_inference_linear_is_the_c_gemm_without_grads_and_torch_with_them():
+    from target_actor.linear import inference_linear
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=gen).bfloat16().requires_grad_()
+    x = torch.randn(2, 3, 96, generator=gen)
+    with torch.no_grad():
+        fast = inference_linear(x, w)
+    slow = inference_linear(x, w)
+    assert fast.shape == slow.shape == (2, 3, 64) and fast.dtype == x.dtype
+    assert slow.requires_grad and not fast.requires_grad
+    assert (fast - x.bfloat16().float() @ w.detach().float().t()).abs().max() <= 1e-4
