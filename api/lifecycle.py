@@ -13,10 +13,15 @@ import asyncio
 
 
 class Lifecycle:
-    def __init__(self) -> None:
+    def __init__(self, max_in_flight: int | None = None) -> None:
+        self.max_in_flight = max_in_flight  # more get a 429 (None: no cap here)
         self.draining = False
         self.in_flight = 0
         self._idle: asyncio.Event | None = None  # created on the serving loop
+
+    @property
+    def full(self) -> bool:
+        return self.max_in_flight is not None and self.in_flight >= self.max_in_flight
 
     def drain(self) -> None:
         self.draining = True

@@ -11,7 +11,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import request_id
-from api.errors import error_response, shutting_down
+from api.errors import busy, error_response, shutting_down
 from api.lifecycle import Lifecycle
 
 
@@ -46,6 +46,10 @@ class ServingMiddleware:
                 await self.app(scope, receive, send_with_id)
             elif self.lifecycle.draining:
                 await error_response(shutting_down())(scope, receive, send_with_id)
+            elif self.lifecycle.full:
+                await error_response(busy("the server is busy; retry later"))(
+                    scope, receive, send_with_id
+                )
             else:
                 self.lifecycle.enter()
                 try:

@@ -76,6 +76,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     scale = p.add_argument_group("replicas")
     scale.add_argument("--min-replicas", type=_positive_int, default=None)
     scale.add_argument("--max-replicas", type=_positive_int, default=None)
+    scale.add_argument(
+        "--ingress",
+        choices=["replica", "separate"],
+        default=None,
+        help="the API inside each engine replica (default) or in its own deployment",
+    )
     p.add_argument(
         "--config",
         default=None,

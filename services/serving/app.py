@@ -1,17 +1,23 @@
-"""The Ray Serve app: an OpenAI ingress (FastAPI) in front of autoscaled engine replicas.
+"""The Ray Serve app: the OpenAI API (FastAPI) and autoscaled engine replicas.
 
-* :class:`EngineDeployment`: one replica = one engine = one target TP group + one drafter,
+* :class:`EngineReplica`: one replica = one engine = one target TP group + one drafter,
   in the replica's own placement group (``ServeArgs.bundles``: engine, ``tp`` ranks,
   drafter; ``STRICT_PACK``). An :class:`~services.engine.async_engine.AsyncEngine` thread runs
   the rounds; ``@serve.batch`` gathers requests arriving together into one admission
-  (tokenize + ``add_request`` in one engine-thread call, so they prefill together);
-  ``generate`` streams ``RequestOutput`` deltas back through the deployment handle.
-  Autoscaled on ongoing requests; ``max_ongoing_requests`` / ``max_queued_requests`` push
-  back (the ingress answers 429). ``check_health`` fails once a target rank died, so
+  (tokenize + ``add_request`` in one engine-thread call, so they prefill together).
+  Autoscaled on ongoing requests. ``check_health`` fails once a target rank died, so
   Serve replaces the replica.
-* :class:`IngressDeployment`: the FastAPI app of :mod:`api` over a
-  :class:`ServeEngineClient` (the engine deployment's handle). It drains when the
-  launcher says so (``services.serving.drain``): 503 for new requests, in-flight ones finish.
+* Two layouts (``ServeArgs.ingress``):
+  - ``replica`` (default): :class:`EngineIngressReplica`, the API of :mod:`api` inside each
+    engine replica over a :class:`LocalEngineClient`. Serve's proxy sends HTTP straight to
+    a replica, and a token's delta goes from the engine thread to the SSE stream in one
+    process. The replica caps what it takes (429 past ``max_ongoing_requests +
+    max_queued_requests``).
+  - ``separate``: :class:`IngressReplica` deployments in front, calling the engine
+    deployment's handle (``generate`` streams slimmed deltas); Serve's queue limits push
+    back and the ingress answers 429.
+  Either way the API drains when the launcher says so (``services.serving.drain``): 503 for
+  new requests, in-flight ones finish.
 
 ``build_app(args)`` is the app builder for ``serve run deploy/local-cpu.yaml`` (import
 path ``services.serving.app:build_app``) and for ``longspark serve``.
@@ -54,8 +60,9 @@ def _slim(out: RequestOutput) -> RequestOutput:
     return out if out.finished else dataclasses.replace(out, text="", token_ids=[])
 
 
-@serve.deployment(name=ENGINE_DEPLOYMENT)
-class EngineDeployment:
+class EngineReplica:
+    """One engine (target TP group + drafter) and its request streams."""
+
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = ServeArgs.model_validate(args)
         engine, self._close, self.drafter = build_replica_engine(self.args)
@@ -72,6 +79,11 @@ class EngineDeployment:
         self.admissions = {"batches": 0, "requests": 0, "largest": 0}  # @serve.batch at work
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The deployment-handle call of the split layout: deltas slimmed for the wire."""
+        async for out in self.outputs(request):
+            yield _slim(out)
+
+    async def outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Admit (batched with concurrent arrivals), then stream the request's deltas."""
         self._start_metrics()
         t0, first = time.monotonic(), None
@@ -89,7 +101,7 @@ class EngineDeployment:
                 n = len(out.token_ids)
                 tpot = (time.monotonic() - first) / (n - 1) if n > 1 else None
                 self.metrics.observe_request(first - t0, tpot)
-            yield _slim(out)
+            yield out
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def _admit(self, requests: list[GenerateRequest]) -> list[RequestStream | BaseException]:
@@ -156,11 +168,26 @@ class ServeEngineClient:
         await self.handle.health.remote()
 
 
-@serve.deployment(name=INGRESS_DEPLOYMENT)
-@serve.ingress()
-class IngressDeployment:
-    def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
-        a = ServeArgs.model_validate(args)
+class LocalEngineClient:
+    """The API's engine client inside the engine replica itself: no hop per delta."""
+
+    def __init__(self, replica: EngineReplica) -> None:
+        self.replica = replica
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        return self.replica.outputs(request)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.replica.stats()
+
+    async def health(self) -> None:
+        await self.replica.health()
+
+
+class OpenAIFront:
+    """The FastAPI app of :mod:`api` over an engine client, and its drain on SIGTERM."""
+
+    def _init_front(self, client: Any, a: ServeArgs, max_in_flight: int | None = None) -> None:
         settings = ServingSettings(
             model_name=a.model_name or "",
             mode=a.mode,
@@ -170,8 +197,8 @@ class IngressDeployment:
             cors_origins=tuple(a.cors_origins),
             debug_routes=a.debug_routes,
         )
-        self.serving = OpenAIServing(ServeEngineClient(engine), settings)
-        self.lifecycle = Lifecycle()
+        self.serving = OpenAIServing(client, settings)
+        self.lifecycle = Lifecycle(max_in_flight)
 
     def __serve_build_asgi_app__(self) -> Any:
         @asynccontextmanager
@@ -200,6 +227,33 @@ class IngressDeployment:
         await signal.report.remote(context.replica_tag, idle)
 
 
+class IngressReplica(OpenAIFront):
+    """The split layout's ingress: the API over the engine deployment's handle."""
+
+    def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
+        self._init_front(ServeEngineClient(engine), ServeArgs.model_validate(args))
+
+
+class EngineIngressReplica(EngineReplica, OpenAIFront):
+    """The one-process layout: the API and the engine in one replica. Serve's proxy sends
+    HTTP straight here, so a delta crosses no Ray hop between engine and API. Serve's own
+    queue limits would answer a bare 503, so the replica takes up to
+    ``max_ongoing_requests + max_queued_requests`` itself and answers 429 past that."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        EngineReplica.__init__(self, args)
+        a = self.args
+        cap = None if a.max_queued_requests < 0 else a.max_ongoing_requests + a.max_queued_requests
+        self._init_front(LocalEngineClient(self), a, cap)
+
+
+EngineDeployment = serve.deployment(name=ENGINE_DEPLOYMENT)(EngineReplica)
+IngressDeployment = serve.deployment(name=INGRESS_DEPLOYMENT)(serve.ingress()(IngressReplica))
+EngineIngressDeployment = serve.deployment(name=ENGINE_DEPLOYMENT)(
+    serve.ingress()(EngineIngressReplica)
+)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The app for ``serve run`` / ``serve.run``: validate and resolve ``args`` once."""
     cfg = ServeArgs.model_validate(args or {}).resolved()
@@ -218,6 +272,13 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     else:
         engine_options["num_replicas"] = cfg.min_replicas
     resolved = cfg.model_dump()
+    if cfg.ingress == "replica":
+        # Serve must not push back before the replica does (its 503 is not OpenAI JSON)
+        engine_options["max_ongoing_requests"] = max(
+            1000, 2 * (cfg.max_ongoing_requests + max(cfg.max_queued_requests, 0))
+        )
+        engine_options["max_queued_requests"] = -1
+        return EngineIngressDeployment.options(**engine_options).bind(resolved)
     engine = EngineDeployment.options(**engine_options).bind(resolved)
     ingress = IngressDeployment.options(
         num_replicas=cfg.ingress_replicas,

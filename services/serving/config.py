@@ -79,7 +79,12 @@ class ServeArgs(EngineOptions):
     max_queued_requests: int = Field(
         256, description="requests queued per caller before 429 (-1: no limit)"
     )
-    ingress_replicas: int = Field(1, ge=1, description="FastAPI ingress replicas")
+    ingress: Literal["replica", "separate"] = Field(
+        "replica",
+        description="where the OpenAI API runs: in each engine replica (one process, no hop"
+        " per token) or in its own deployment of ingress_replicas",
+    )
+    ingress_replicas: int = Field(1, ge=1, description="FastAPI ingress replicas (separate)")
     admit_batch_size: int = Field(16, ge=1, description="@serve.batch: requests per admission")
     admit_batch_wait_s: float = Field(
         0.002, ge=0, description="@serve.batch: how long an admission batch waits to fill"

@@ -38,6 +38,7 @@ OVERRIDES = {
     "quant": "quant",
     "min_replicas": "min_replicas",
     "max_replicas": "max_replicas",
+    "ingress": "ingress",
     "api_key": "api_key",
     "api_key_file": "api_key_file",
     "cors_origin": "cors_origins",
@@ -137,13 +138,29 @@ def run_server(args: argparse.Namespace) -> None:
         _print_banner(cfg, host, port, dashboard)
         while not stop.wait(1.0):
             pass
-        _drain(drain_signal, cfg.shutdown_grace_s, cfg.ingress_replicas, force)
+        _drain(drain_signal, cfg.shutdown_grace_s, _api_replicas(cfg), force)
     except KeyboardInterrupt:
         pass
     finally:
         print("Shutting down...", flush=True)
         serve.shutdown()
         ray.shutdown()
+
+
+def _api_replicas(cfg: Any) -> int:
+    """How many replicas serve the API (each reports its drain): the ingress deployment's,
+    or, with the API inside the engine replicas, those running now."""
+    from ray import serve
+
+    from services.serving.app import ENGINE_DEPLOYMENT
+
+    if cfg.ingress == "separate":
+        return cfg.ingress_replicas
+    try:
+        status = serve.status().applications[APP_NAME].deployments[ENGINE_DEPLOYMENT]
+        return max(1, status.replica_states.get("RUNNING", 0))
+    except (KeyError, AttributeError):
+        return cfg.min_replicas
 
 
 def _drain(drain_signal: Any, grace_s: float, replicas: int, force: threading.Event) -> None:

@@ -2,7 +2,8 @@
 
 A tiny random model (with a real tokenizer) keeps it light; short upscale / downscale
 delays keep it quick. Requests keep flowing while the second replica drains, and none
-may fail.
+may fail. Both layouts: the API inside each engine replica (Serve's proxy balances them)
+and a separate ingress in front of the engine replicas.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ pytestmark = pytest.mark.ray
 APP = "tiny"
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["replica", "separate"])
+def tiny_server(tmp_path_factory, request):
     path = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-serve"))
     args = dict(
+        ingress=request.param,
         target=str(path),
         model_name="tiny",
         tp=2,  # TP over Ray actors (gloo) in every replica

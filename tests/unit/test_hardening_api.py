@@ -173,6 +173,29 @@ def test_full_waiting_queue_answers_429_with_retry_after(engines):
     assert stats["overloaded"] >= 1
 
 
+def test_an_api_at_its_in_flight_cap_answers_429_and_serves_the_rest(engines):
+    """The cap an engine replica with the API inside keeps in place of Serve's queue."""
+    from api.lifecycle import Lifecycle
+
+    engine = engines()
+    app = make_app(engine, lifecycle=Lifecycle(max_in_flight=1))
+
+    async def go():
+        async with http(app) as c:
+            running = asyncio.create_task(c.post("/v1/completions", json=LONG))
+            await until_running(engine)
+            refused = await c.post("/v1/completions", json=body())
+            models = await c.get("/v1/models")  # not generation: never capped
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            return refused, models, await c.post("/v1/completions", json=body())
+
+    refused, models, after = run(go())
+    err = is_openai_error(refused, 429)
+    assert err["code"] == "server_busy" and int(refused.headers["retry-after"]) >= 1
+    assert models.status_code == 200 and after.status_code == 200
+
+
 def test_queue_timeout_answers_503_with_retry_after(engines):
     engine = engines(max_num_seqs=1, queue_timeout_s=0.5)
     app = make_app(engine)
