@@ -299,15 +299,26 @@ class Drafter:
             pos = torch.cat([pos, length.unsqueeze(1) + torch.arange(carry.shape[1])], 1)
             mask = torch.cat([mask, torch.stack([s.carry_mask() for s in states])], 1)
         rows = net.project_context(feats, pos)  # L x [n, H_kv, 1 + k_max, hd]
-        window_k = torch.stack([s.window_k for s in states])  # [n, L, H_kv, W, hd]
-        window_v = torch.stack([s.window_v for s in states])
+        # the rows go into each state's context buffer right after its window ring, so a
+        # layer's context is the buffer itself (one sequence) or one stack of them
+        W = states[0].ring_rows
+        rows_k = torch.stack([k for k, _ in rows], 1)  # [n, L, H_kv, 1 + k_max, hd]
+        rows_v = torch.stack([v for _, v in rows], 1)
+        for i, s in enumerate(states):
+            s.context_k[:, :, W:].copy_(rows_k[i])
+            s.context_v[:, :, W:].copy_(rows_v[i])
+        if len(states) == 1:
+            ctx_k, ctx_v = states[0].context_k[None], states[0].context_v[None]
+        else:
+            ctx_k = torch.stack([s.context_k for s in states])  # [n, L, H_kv, C, hd]
+            ctx_v = torch.stack([s.context_v for s in states])
         mask = torch.cat([torch.stack([s.window_mask() for s in states]), mask], 1)  # [n, C]
         summary_m = torch.stack([s.summary_m for s in states])  # [n, L, H, R, hd]
         summary_mask = ~torch.isneginf(torch.stack([s.summary_lam for s in states]))
         return [
             LayerContext(
-                k=torch.cat([window_k[:, i], rows[i][0]], 2),  # [n, H_kv, W + 1 + k_max, hd]
-                v=torch.cat([window_v[:, i], rows[i][1]], 2),
+                k=ctx_k[:, i],  # [n, H_kv, W + 1 + k_max, hd]
+                v=ctx_v[:, i],
                 mask=mask,
                 summary_m=summary_m[:, i],
                 summary_mask=summary_mask[:, i],

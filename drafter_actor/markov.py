@@ -72,18 +72,21 @@ def sample_block(
     one_hot = torch.zeros(n, support, dtype=torch.float32, device=base.device)
     one_hot[:, 0] = 1.0
     prev, tokens, q_ids, q_probs = anchor, [], [], []
-    all_greedy = bool(greedy.all())
     vocab, offsets = base.shape[-1], torch.arange(support, device=base.device)
+    if bool(greedy.all()):  # the loop below, for greedy rows only: what it draws, cheaper
+        for i in range(k):
+            prev = (base[:, i] + head(prev)).float().argmax(-1)
+            tokens.append(prev)
+        drafts = torch.stack(tokens, 1)
+        return drafts, (drafts[..., None] + offsets) % vocab, one_hot[:, None].expand(n, k, support)
     for i in range(k):
         logits = (base[:, i] + head(prev)).float() * inv_t.unsqueeze(-1)  # [n, V_d]
         # greedy rows: q is one-hot at the argmax, then the ids after it (distinct, no
         # mass), without a top-k; so a row's proposal does not depend on the batch's others
         ids = (logits.argmax(-1, keepdim=True) + offsets) % vocab
-        probs = one_hot
-        if not all_greedy:
-            top, top_ids = logits.topk(support, dim=-1)  # [n, K_q], sorted
-            ids = torch.where(greedy, ids, top_ids)
-            probs = torch.where(greedy, one_hot, torch.softmax(top, dim=-1))
+        top, top_ids = logits.topk(support, dim=-1)  # [n, K_q], sorted
+        ids = torch.where(greedy, ids, top_ids)
+        probs = torch.where(greedy, one_hot, torch.softmax(top, dim=-1))
         cdf = probs.cumsum(-1)  # inverse CDF never lands on a zero-probability entry...
         pick = torch.searchsorted(cdf, uniforms[:, i : i + 1] * cdf[:, -1:], right=True)
         # ... unless u * cdf rounds up to the total: then the last entry with mass (probs

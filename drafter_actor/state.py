@@ -32,8 +32,12 @@ class SequenceState:
 
     seq_id: int
     length: int
-    window_k: torch.Tensor  # [L, H_kv, W, hd] ring: position p in slot p % W (post-RoPE)
-    window_v: torch.Tensor  # [L, H_kv, W, hd]
+    # the layers' context buffers [L, H_kv, W + extra, hd]: the window ring in the first W
+    # rows (position p in slot p % W, post-RoPE), then room for the round's own context
+    # rows (boundary, carry), written in place so a block pass reads the buffer as it is
+    context_k: torch.Tensor
+    context_v: torch.Tensor
+    ring_rows: int  # W
     summary_m: torch.Tensor  # [L, H, R, hd] fp32
     summary_lam: torch.Tensor  # [L, H, R] fp32
     boundary: torch.Tensor  # [L, d]: tapped hidden states at position length-1
@@ -66,12 +70,14 @@ class SequenceState:
                 f"prefill views of length {views.length} carry {w} window rows, "
                 f"expected {min(cfg.window, views.length)}"
             )
-        ring = torch.zeros(L, t.num_kv_heads, cfg.window, t.head_dim, dtype=dtype)
+        extra = 1 + (cfg.block_size if cfg.carry else 0)
+        buf = torch.zeros(L, t.num_kv_heads, cfg.window + extra, t.head_dim, dtype=dtype)
         state = cls(
             seq_id=views.seq_id,
             length=views.length - w,
-            window_k=ring,
-            window_v=ring.clone(),
+            context_k=buf,
+            context_v=buf.clone(),
+            ring_rows=cfg.window,
             summary_m=views.summary_m.float().clone(),
             summary_lam=views.summary_lam.float().clone(),
             boundary=views.boundary.to(dtype).clone(),
@@ -84,6 +90,15 @@ class SequenceState:
         if views.tokens is not None:
             state._append_history(views.tokens)
         return state
+
+    @property
+    def window_k(self) -> torch.Tensor:
+        """``[L, H_kv, W, hd]``: the ring part of ``context_k``."""
+        return self.context_k[:, :, : self.ring_rows]
+
+    @property
+    def window_v(self) -> torch.Tensor:
+        return self.context_v[:, :, : self.ring_rows]
 
     def _append_history(self, tokens: torch.Tensor | None) -> None:
         """Append committed ids; without them the history restarts empty (no copy)."""
@@ -146,8 +161,8 @@ class SequenceState:
     def state_bytes(self) -> int:
         """Bytes of this state's tensors (fixed in the context length)."""
         return _bytes(
-            self.window_k,
-            self.window_v,
+            self.context_k,
+            self.context_v,
             self.summary_m,
             self.summary_lam,
             self.boundary,
@@ -157,10 +172,11 @@ class SequenceState:
 
     @staticmethod
     def expected_bytes(cfg: DrafterConfig, dtype_bytes: int = 4) -> int:
-        """The closed form of ``state_bytes()``: window + summary (fp32) + boundary + carry
-        + the token history (int64)."""
+        """The closed form of ``state_bytes()``: window (and the round's context rows) +
+        summary (fp32) + boundary + carry + the token history (int64)."""
         t, L = cfg.target, cfg.num_layers
-        window = 2 * L * cfg.window * t.num_kv_heads * t.head_dim * dtype_bytes
+        rows = cfg.window + 1 + (cfg.block_size if cfg.carry else 0)
+        window = 2 * L * rows * t.num_kv_heads * t.head_dim * dtype_bytes
         summary = L * t.num_heads * cfg.summary_slots * (t.head_dim + 1) * 4
         hidden = (1 + cfg.block_size) * L * t.hidden_size * dtype_bytes
         return window + summary + hidden + HISTORY_TOKENS * 8
