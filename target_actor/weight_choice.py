@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from target_actor import native
 from target_actor.linear import QUANTS, WeightForm, quant_kernels_available
 
 log = logging.getLogger("longspark.target")
@@ -126,7 +127,11 @@ def _machine_key(dtype: str, quant: str, shape: tuple[int, int]) -> str:
             )
     except OSError:
         pass
-    return f"{cpu}|{os.cpu_count()}|torch {torch.__version__}|{dtype}/{quant}|{shape[0]}x{shape[1]}"
+    kernels = "C" if native.available() else "torch"  # the C GEMMs change the int8 form's speed
+    return (
+        f"{cpu}|{os.cpu_count()}|torch {torch.__version__}|{kernels}|{dtype}/{quant}"
+        f"|{shape[0]}x{shape[1]}"
+    )
 
 
 def _load_saved() -> dict:
