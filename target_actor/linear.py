@@ -126,12 +126,12 @@ class _WeightOnly(Linear):
         return self._run(eye).float().t().contiguous()
 
 
-def int4_groups(weight: torch.Tensor, group: int = INT4_GROUP):
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP):
     """Asymmetric min/max int4 per group of ``group`` inputs (GGUF Q4_1's rule).
 
-    Returns ``q`` ``[out, in]`` int32 in 0..15 and ``d``, ``m`` ``[out, in/group]`` fp32
-    with ``w ~= d * q + m``. A weight whose groups already sit on such a grid (a
-    dequantised Q4_1 checkpoint) comes back exactly.
+    Returns ``q`` ``[out, in]`` int32 in 0..15 and ``scale``, ``zero`` ``[out, in/group]``
+    fp32 with ``w ~= (q - 8) * scale + zero``. A weight whose groups already sit on such a
+    grid (a dequantised Q4_1 checkpoint) comes back exactly.
     """
     w = weight.float().reshape(weight.shape[0], -1, group)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
@@ -139,14 +139,8 @@ def int4_groups(weight: torch.Tensor, group: int = INT4_GROUP):
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = ((w - lo) / safe).round().clamp_(0, 15)
     q = torch.where(d > 0, q, torch.zeros_like(q))
-    return q.reshape(weight.shape).to(torch.int32), d.squeeze(-1), lo.squeeze(-1)
-
-
-def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP):
-    """``int4_groups`` in torch's kernel's terms: ``q``, ``scale``, ``zero`` with
-    ``w ~= (q - 8) * scale + zero``."""
-    q, d, m = int4_groups(weight, group)
-    return q, d, m + 8 * d
+    scale, zero = d.squeeze(-1), (lo + 8 * d).squeeze(-1)
+    return q.reshape(weight.shape).to(torch.int32), scale, zero
 
 
 class Int4Linear(_WeightOnly):
