@@ -4,7 +4,7 @@
 
 ``propose`` returns the ``Proposal`` itself, or None when the drafter could not draft this
 round (the engine then verifies zero drafts: a plain, still exact, step). ``views`` and
-``updates`` are what the target handle returned: a value or an ``ObjectRef`` to it.
+``updates`` are what the target handle returned.
 ``drafting(seq_id)`` is False for a sequence whose drafter state was lost.
 """
 

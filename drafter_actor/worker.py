@@ -3,9 +3,8 @@
 ``DrafterWorker`` is a plain class holding one :class:`Drafter` (or the full-prefix
 baseline) and every sequence's views; ``RayDrafter`` runs it as a Ray actor,
 ``LocalDrafter`` in this process, with the same interface (mirroring ``TargetGroup`` /
-``LocalTarget``). The engine makes one call per round with the whole batch; the views and
-round updates it passes may be ``ObjectRef``s straight from the target, which Ray resolves
-in the actor without the engine fetching them.
+``LocalTarget``). The engine makes one call per round with the whole batch, carrying the
+views and round updates the target returned.
 """
 
 from __future__ import annotations
@@ -151,11 +150,19 @@ class LocalDrafter:
 class RayDrafter:
     """The drafter as one Ray actor (``{"CPU": 1}`` by default, ``num_gpus`` on GPU hosts).
 
-    Every call waits for its result except ``update`` and ``free`` (fire and forget: the
-    actor runs calls in order); ``prefill`` waits so that a bad view fails at admission
-    rather than at the next round. ``services.engine.resilient_drafter`` adds time-outs
-    and restarts around the same actor.
+    Every call waits for its result except ``free`` (fire and forget: the actor runs calls
+    in order); ``prefill`` waits so that a bad view fails at admission rather than at the
+    next round. ``services.engine.resilient_drafter`` adds time-outs and restarts around
+    the same actor.
+
+    A plain round's updates wait here and go with the next ``propose`` (or, past
+    ``FLUSH_AT`` of them, in one ``update`` call): the drafter then works while the target
+    waits for its proposal, never beside a forward pass. On a host with as many cores as
+    the target has threads, a drafter running beside the target's forward stalls each of
+    its OpenMP barriers.
     """
+
+    FLUSH_AT = 256  # round updates held at most before they go on their own
 
     def __init__(
         self,
@@ -181,21 +188,39 @@ class RayDrafter:
         self.cfg: DrafterConfig = ray.get(self.actor.config.remote())
         self.k = spec.get("k") or self.cfg.block_size
         self.window = self.cfg.window
+        self.pending: list[RoundUpdate] = []
 
     def summary_queries(self) -> torch.Tensor:
         return self._ray.get(self.actor.summary_queries.remote())
 
-    def prefill(self, views: Any) -> None:
+    def prefill(self, views: list[PrefillViews]) -> None:
+        self.drop_pending([v.seq_id for v in views])
         self._ray.get(self.actor.prefill.remote(views))
 
-    def propose(self, requests: list[DraftRequest], k: int, updates: Any = None) -> Proposal:
-        return self._ray.get(self.actor.propose.remote(requests, k, updates))
+    def propose(
+        self, requests: list[DraftRequest], k: int, updates: list[RoundUpdate] | None = None
+    ) -> Proposal:
+        return self._ray.get(self.actor.propose.remote(requests, k, self.take_pending(updates)))
 
-    def update(self, updates: Any) -> None:
-        """Fire and forget: the actor applies it before the next call (actor order)."""
-        self.actor.update.remote(updates)
+    def update(self, updates: list[RoundUpdate]) -> None:
+        """Hold a plain round's updates for the next call (see the class docstring)."""
+        self.pending.extend(updates)
+        if len(self.pending) >= self.FLUSH_AT:
+            self.actor.update.remote(self.take_pending())  # fire and forget: actor order
+
+    def take_pending(self, updates: list[RoundUpdate] | None = None) -> list[RoundUpdate]:
+        """The held updates, then ``updates``, in round order; the buffer empties."""
+        out, self.pending = self.pending, []
+        return out + list(updates or [])
+
+    def drop_pending(self, seq_ids: list[int]) -> None:
+        """Forget held updates of sequences that end or restart (prefill makes them anew)."""
+        ids = set(seq_ids)
+        if self.pending and ids:
+            self.pending = [u for u in self.pending if u.seq_id not in ids]
 
     def free(self, seq_ids: list[int]) -> None:
+        self.drop_pending(seq_ids)
         self.actor.free.remote(seq_ids)
 
     def num_states(self) -> int:

@@ -2,8 +2,8 @@
 (``TargetGroup``), with one return contract.
 
 ``prefill`` and ``verify`` return the small ``StepResult`` the engine reads, and the
-drafter's messages (``PrefillViews`` / ``RoundUpdate`` lists) as a value or an
-``ObjectRef`` to them, which goes to the drafter handle unopened.
+drafter's messages (``PrefillViews`` / ``RoundUpdate`` lists, None when the batch did
+not ask for them), which go to the drafter handle unopened.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.engine.core import Engine
-from services.engine.errors import unwrap, user_error_message
+from services.engine.errors import is_fatal, user_error_message
 from services.engine.params import InvalidRequest, SamplingParams
 from services.engine.sequence import RequestOutput, SeqStatus
 from services.engine.tokenizer import Tokenizer
@@ -385,11 +385,9 @@ class AsyncEngine:
 
     def _round_failed(self, exc: Exception) -> None:
         """Fail what the round was running (all requests if a target rank died)."""
-        from ray.exceptions import RayActorError
-
         self.num_failed_rounds += 1
         reason = user_error_message(exc)
-        if isinstance(exc, RayActorError) or isinstance(unwrap(exc), RayActorError):
+        if is_fatal(exc):
             log.error("a target rank died; failing every request: %s", reason)
             self._dead = EngineDeadError(f"the model replica lost a target rank: {reason}")
             self._fail_all(self._dead)

@@ -11,8 +11,8 @@ What each round drafts (k, copies, the drafter put aside) is the planner's
 The target and drafter are driven through their handle protocols
 (``target_actor.handle.TargetHandle``, ``drafter_actor.handle.DrafterHandle``),
 in-process or over Ray alike. ``prefill``/``verify`` return the small ``StepResult`` the
-engine reads and the drafter's messages (a value or an ``ObjectRef``), which go straight
-to the drafter without the engine looking inside.
+engine reads and the drafter's messages, which go to the drafter without the engine
+looking inside.
 """
 
 from __future__ import annotations

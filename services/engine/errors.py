@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from target_actor.channel import TargetLostError
 from target_actor.config import TargetConfigError
 from target_actor.errors import LongSparkError
 
@@ -17,12 +18,14 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 def is_fatal(exc: BaseException) -> bool:
-    """A failure no retry of the round can contain: a Ray actor (a target rank) died."""
+    """A failure no retry of the round can contain: a Ray actor (a target rank) died, or a
+    rank's channel closed or did not answer (the group cannot take another call)."""
     try:
         from ray.exceptions import RayActorError
     except ImportError:  # pragma: no cover - ray is a dependency
         return False
-    return isinstance(exc, RayActorError) or isinstance(unwrap(exc), RayActorError)
+    lost = (RayActorError, TargetLostError)
+    return isinstance(exc, lost) or isinstance(unwrap(exc), lost)
 
 
 def user_error_message(exc: BaseException) -> str:

@@ -69,6 +69,7 @@ class ResilientDrafter:
         self._poll_restart()
         if self._restart is None:
             try:
+                self.inner.drop_pending([v.seq_id for v in views])
                 self._ray.get(self.inner.actor.prefill.remote(views), timeout=self.timeout_s)
                 return
             except Exception as exc:  # noqa: BLE001 - actor death, timeout, task error
@@ -76,9 +77,7 @@ class ResilientDrafter:
         self._lose(views)
 
     def _lose(self, views: Any) -> None:
-        """Mark the sequences of ``views`` (a list or its ObjectRef) as decoding plainly."""
-        if isinstance(views, self._ray.ObjectRef):
-            views = self._ray.get(views)
+        """Mark the sequences of ``views`` as decoding plainly."""
         ids = {v.seq_id for v in views}
         self.lost |= ids
         self.lost_sequences += len(ids)
@@ -91,7 +90,7 @@ class ResilientDrafter:
         part = [requests[i] for i in rows]
         self.seen.update(r.seq_id for r in part)
         try:
-            ref = self.inner.actor.propose.remote(part, k, updates)
+            ref = self.inner.actor.propose.remote(part, k, self.inner.take_pending(updates))
             ready, _ = self._ray.wait([ref], timeout=self.timeout_s)
             if not ready:
                 raise TimeoutError(f"no proposal within {self.timeout_s:g}s")
@@ -103,7 +102,8 @@ class ResilientDrafter:
         return scatter_proposal(proposal, rows, len(requests))
 
     def update(self, updates: Any) -> None:
-        """A plain round's updates, fire and forget (a dead actor shows at the next propose)."""
+        """A plain round's updates: held, or sent fire and forget (a dead actor shows at
+        the next propose)."""
         self._poll_restart()
         if self.enabled and self._restart is None:
             self.inner.update(updates)
