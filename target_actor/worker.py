@@ -27,6 +27,8 @@ from target_actor.parallel import init_distributed
 from target_actor.runner import TargetRunner, TargetSpec
 from target_actor.verifier import Verifier
 
+RANK_SILENCE_S = 10.0  # the watchdog's default: heartbeats come every 0.5 s while a rank works
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -82,9 +84,12 @@ class TargetGroup:
         window: int = 256,
         pg: PlacementGroup | None = None,
         first_bundle: int = 0,
+        silence_s: float | None = RANK_SILENCE_S,
     ) -> None:
         """Start ``tp`` ranks in a new ``STRICT_PACK`` placement group, or, when ``pg`` is
-        given (a Serve replica's), in its bundles ``first_bundle..first_bundle+tp-1``."""
+        given (a Serve replica's), in its bundles ``first_bundle..first_bundle+tp-1``.
+        ``silence_s``: a rank silent this long (no answer, no heartbeat) is taken for hung
+        and the group fails with ``TargetLostError`` (None: wait forever)."""
         ModelConfig.from_pretrained(spec.path, spec.num_taps).check_tp(tp)  # fail before Ray work
         spec = spec.resolved(tp)  # every rank the same weight form
         self.owns_pg = pg is None
@@ -107,9 +112,8 @@ class TargetGroup:
             for rank in range(tp)
         ]
         key = new_key()
-        self.channel = ChannelGroup(
-            ray.get([w.open_channel.remote(key) for w in self.workers]), key
-        )
+        addresses = ray.get([w.open_channel.remote(key) for w in self.workers])
+        self.channel = ChannelGroup(addresses, key, silence_s)
         addr, port = ray.get(self.workers[0].rendezvous.remote())
         self.cfg: ModelConfig = self.call("setup", spec, addr, port, window)
 

@@ -49,6 +49,12 @@ class ServeArgs(EngineOptions):
     drafter_timeout_s: float = Field(
         30.0, gt=0, description="a proposal slower than this counts as a drafter failure"
     )
+    rank_silence_s: float = Field(
+        10.0,
+        gt=0,
+        description="a target rank silent this long (no answer, no heartbeat) is taken for"
+        " hung: its requests fail with 503 and the replica is replaced",
+    )
 
     # placement: one bundle for the engine, one per target rank, one for the drafter
     device: Literal["cpu", "gpu"] = Field("cpu", description="gpu: one GPU per rank/drafter")

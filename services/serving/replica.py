@@ -66,10 +66,16 @@ def build_replica_engine(
             window,
             pg=pg,
             first_bundle=1,
+            silence_s=args.rank_silence_s,
         )
     else:
         target = TargetGroup(
-            spec, args.tp, resources["CPU"], resources.get("GPU", 0.0), window=window
+            spec,
+            args.tp,
+            resources["CPU"],
+            resources.get("GPU", 0.0),
+            window=window,
+            silence_s=args.rank_silence_s,
         )
     engine = Engine(target, Tokenizer(args.target), drafter, args.engine_config(drafter, spec))
 

@@ -11,12 +11,15 @@ is served by uvicorn in a thread, so one module-wide set-up (seconds) covers:
 * the small load test (``services.bench.loadtest``): streaming and not, greedy and sampled,
   random disconnects, one drafter kill; nothing leaked at the end;
 * a target rank SIGKILLed (last: it ends the replica): in-flight and new requests get
-  clear 503s with Retry-After, none hangs, ``/health`` fails.
+  clear 503s with Retry-After, none hangs, ``/health`` fails;
+* a target rank SIGSTOPped (hung, not dead; a replica of its own): the watchdog
+  (``rank_silence_s``) fails its streams with 503s too, instead of leaving them open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -38,8 +41,8 @@ def tiny_path(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("faults"), max_position_embeddings=2048)
 
 
-@pytest.fixture(scope="module")
-def replica(ray_local, tiny_path):
+@contextlib.contextmanager
+def serving_replica(tiny_path, **overrides):
     """(base URL, AsyncEngine) of one engine replica behind the OpenAI app."""
     from api.app import create_app
     from api.serving import OpenAIServing, ServingSettings
@@ -57,6 +60,7 @@ def replica(ray_local, tiny_path):
         kv_cache_tokens=32768,
         cpus_per_actor=0.5,
         drafter_timeout_s=DRAFTER_TIMEOUT_S,
+        **overrides,
     ).resolved()
     engine, close, drafter = build_replica_engine(args)
 
@@ -77,6 +81,12 @@ def replica(ray_local, tiny_path):
     finally:
         runner.shutdown()
         close()
+
+
+@pytest.fixture(scope="module")
+def replica(ray_local, tiny_path):
+    with serving_replica(tiny_path) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -200,34 +210,53 @@ def test_small_load_test_loses_nothing(replica, tiny_path):
     assert not report.leaked and report.passed
 
 
+def test_target_rank_stopped_is_caught_by_the_watchdog(ray_local, tiny_path):
+    """A hung rank (SIGSTOP: alive, silent) must not hold its clients forever."""
+    with serving_replica(tiny_path, rank_silence_s=2.0) as (url, _):
+        pid = engine_stats(url)["target_pids"][0]
+        try:
+            streamed, after, health = asyncio.run(_fault_mid_stream(url, pid, signal.SIGSTOP))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    _assert_replica_lost(streamed, after, health)
+
+
 def test_target_rank_killed_gives_clear_503s_and_no_hung_client(replica):
     """Runs last: the replica is dead afterwards (Serve would replace it; see
     tests/integration/test_serve_autoscale.py for the replacement)."""
     url, _ = replica
-    stats = engine_stats(url)
+    pid = engine_stats(url)["target_pids"][0]
+    streamed, after, health = asyncio.run(_fault_mid_stream(url, pid, signal.SIGKILL))
+    _assert_replica_lost(streamed, after, health)
+
+
+async def _fault_mid_stream(
+    url: str, pid: int, sig: int
+) -> tuple[str, httpx.Response, httpx.Response]:
+    """Send ``sig`` to a target rank while a stream runs; (the stream's lines, a request
+    after it, /health)."""
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+        started = asyncio.Event()
 
-    async def go():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            started = asyncio.Event()
+        async def in_flight() -> str:
+            text = []
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    started.set()
+                    text.append(line)
+            return "\n".join(text)
 
-            async def in_flight() -> str:
-                text = []
-                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                    async for line in r.aiter_lines():
-                        started.set()
-                        text.append(line)
-                return "\n".join(text)
+        task = asyncio.create_task(in_flight())
+        await started.wait()
+        os.kill(pid, sig)
+        streamed = await asyncio.wait_for(task, 120)  # no hung client
+        after = await c.post("/v1/completions", json=body)
+        health = await c.get("/health")
+        return streamed, after, health
 
-            task = asyncio.create_task(in_flight())
-            await started.wait()
-            os.kill(stats["target_pids"][0], signal.SIGKILL)
-            streamed = await asyncio.wait_for(task, 120)  # no hung client
-            after = await c.post("/v1/completions", json=body)
-            health = await c.get("/health")
-            return streamed, after, health
 
-    streamed, after, health = asyncio.run(go())
+def _assert_replica_lost(streamed: str, after: httpx.Response, health: httpx.Response) -> None:
     assert '"error"' in streamed and "service_unavailable" in streamed
     assert streamed.rstrip().endswith("data: [DONE]")
     assert after.status_code == 503 and after.headers["retry-after"]

@@ -43,13 +43,14 @@ class _Rank:
             raise ValueError("bad sequence 3")
         if method == "hang":
             self.release.wait(10)
-            return None
+            return "released"
         raise AttributeError(method)
 
 
-def _group(ranks: list[_Rank]) -> ChannelGroup:
+def _group(ranks: list[_Rank], beat_s: float = 0.5, silence_s: float | None = None):
     key = new_key()
-    return ChannelGroup([serve("127.0.0.1", key, r.handle) for r in ranks], key)
+    addresses = [serve("127.0.0.1", key, r.handle, beat_s) for r in ranks]
+    return ChannelGroup(addresses, key, silence_s)
 
 
 def test_every_rank_runs_the_call_and_rank_0_answers() -> None:
@@ -68,12 +69,26 @@ def test_a_rank_error_is_raised_as_it_was_and_the_channel_goes_on() -> None:
     group.close()
 
 
-def test_a_silent_rank_times_out_and_a_closed_one_is_lost() -> None:
+def test_a_slow_rank_that_beats_is_waited_for() -> None:
     rank = _Rank()
-    group = _group([rank])
-    with pytest.raises(TargetLostError, match="did not answer"):
-        group.call("hang", (), timeout_s=0.2)
-    rank.release.set()
+    group = _group([rank], beat_s=0.05, silence_s=0.3)
+    threading.Timer(1.0, rank.release.set).start()  # the call runs > 3x the silence bound
+    assert group.call("hang", ()) == "released"
+    group.close()
+
+
+def test_a_silent_rank_is_lost_and_so_is_a_closed_channel() -> None:
+    quiet, beating = _Rank(), _Rank()
+    key = new_key()
+    addresses = [
+        serve("127.0.0.1", key, beating.handle, 0.05),
+        serve("127.0.0.1", key, quiet.handle, 60),
+    ]
+    group = ChannelGroup(addresses, key, silence_s=0.3)  # rank 0 beats, rank 1 is silent
+    with pytest.raises(TargetLostError, match="rank 1 sent nothing"):
+        group.call("hang", ())
+    quiet.release.set()
+    beating.release.set()
     group.close()
     with pytest.raises(TargetLostError, match="closed"):
         group.call("add", (1, 2))
