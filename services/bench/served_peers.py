@@ -13,7 +13,9 @@ another (never two at once on the same cores), and driven by the same streaming 
 Equal work: every request asks for ``max_tokens`` tokens with EOS ignored (``ignore_eos``;
 llama.cpp's server has no such field, so its EOS tokens get a ``logit_bias`` of -100).
 The report (JSON + PNG) has each system's tokens/s and TPOT / TTFT percentiles per C and
-ours over each peer, all from this one run.
+ours over each peer, all from this one run; and, with C=1 in the run, our engine's TPOT
+in this process on the same prompts (no Ray, no HTTP) with the served / in-process
+ratio: what serving adds to a token.
 """
 
 from __future__ import annotations
@@ -185,6 +187,71 @@ def _ratios(systems: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _in_process(cfg: ServedPeersConfig, system: str) -> dict[str, Any]:
+    """Our engine in this process (no Ray, no HTTP), one request at a time on the same
+    prompts: the reference served TPOT is read against. TPOT here is a request's time from
+    its first streamed token to its last over the tokens after the first (the client's
+    ``(e2e - ttft) / (tokens - 1)``)."""
+    import statistics
+
+    from services.engine.backends import EngineOptions, build_engine
+    from services.engine.params import SamplingParams
+
+    mode = "ar" if system == "longspark_ar" else "spec"
+    opts = EngineOptions(mode=mode, dtype=cfg.dtype, quant=cfg.quant, max_num_seqs=1)
+    engine, close = build_engine(opts)
+    try:
+        mix = mix_prompts(cfg.num_prompts, cfg.seed)
+        prompts = [engine.tok.encode_chat([{"role": "user", "content": p}]) for p in mix]
+        engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
+        params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
+        tpots = []
+        for ids in prompts:
+            seen: list[tuple[float, int]] = []
+            engine.add_request(
+                ids,
+                params,
+                on_output=lambda o, seen=seen: seen.append(
+                    (time.perf_counter(), len(o.new_token_ids))
+                ),
+            )
+            while engine.has_unfinished():
+                engine.step()
+            later = sum(n for _, n in seen[1:])
+            if later:
+                tpots.append((seen[-1][0] - seen[0][0]) / later * 1e3)
+    finally:
+        close()
+    return {
+        "tpot_ms": {
+            "mean": round(statistics.fmean(tpots), 2),
+            "p50": round(statistics.median(tpots), 2),
+        },
+        "requests": len(tpots),
+    }
+
+
+def _served_over_in_process(
+    systems: dict[str, Any], in_process: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Served TPOT p50 at C=1 over in-process TPOT p50, for each of our modes."""
+    out = []
+    for system, ref in in_process.items():
+        stage = next((s for s in systems[system]["stages"] if s["concurrency"] == 1), None)
+        if stage is None:
+            continue
+        served, local = stage["tpot_ms"]["p50"], ref["tpot_ms"]["p50"]
+        out.append(
+            {
+                "system": system,
+                "served_tpot_ms": served,
+                "in_process_tpot_ms": local,
+                "ratio": round(served / local, 3) if served and local else None,
+            }
+        )
+    return out
+
+
 def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
     systems: dict[str, Any] = {}
     skipped: dict[str, str] = {}
@@ -206,6 +273,12 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
             continue
         systems[system] = {"start_s": round(ready_s, 1), "stages": stages}
         print(system, [(r["stage"], r["output_tokens_per_s"]) for r in stages], file=sys.stderr)
+    in_process = {}
+    if 1 in cfg.concurrency:  # after every server stopped: the cores are this process's
+        for system in ("longspark", "longspark_ar"):
+            if system in systems:
+                in_process[system] = _in_process(cfg, system)
+                print(system, "in process", in_process[system]["tpot_ms"], file=sys.stderr)
     failed = [
         f"{s} {r['stage']}: {r['failed']} failed"
         for s, v in systems.items()
@@ -226,6 +299,8 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
         "systems": systems,
         "skipped": skipped,
         "ratios": _ratios(systems),
+        "in_process": in_process,
+        "served_over_in_process_tpot": _served_over_in_process(systems, in_process),
         "problems": failed,
         "ok": not failed,
     }
