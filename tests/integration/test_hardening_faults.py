@@ -5,7 +5,7 @@ The replica is built exactly as a Serve engine replica builds it
 (``services.serving.replica.build_replica_engine``) around a tiny random model, and the app
 is served by uvicorn in a thread, so one module-wide set-up (seconds) covers:
 
-* the drafter SIGKILLed mid-stream, and the drafter stalled past its time-out: decoding
+* the drafter SIGKILLed mid-stream, stalled past its time-out, or SIGSTOPped: decoding
   goes on plain, greedy output stays token-identical to plain decoding, a fresh drafter
   takes over;
 * the small load test (``services.bench.loadtest``): streaming and not, greedy and sampled,
@@ -183,6 +183,33 @@ def test_drafter_stalled_past_its_timeout_decoding_goes_on(replica, plain):
     assert r.json()["longspark"]["num_drafts"] > 0
     assert freed(wait_stats(url, freed))  # the drafter's free() is fire-and-forget
     assert ray.get(drafter.inner.actor.num_states.remote()) == 0
+
+
+def test_drafter_stopped_decoding_goes_on_plainly(replica, plain):
+    """SIGSTOP (a hung drafter process, not a slow call): the proposal times out, the
+    round goes plain and exact, the stopped actor is replaced."""
+    url, runner = replica
+    want = plain_ids(plain, "The quick brown fox", 120)
+    before = engine_stats(url)
+    pid = before["drafter_pid"]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+            started = asyncio.Event()
+            task = asyncio.create_task(stream_ids(c, "The quick brown fox", 120, started))
+            await started.wait()
+            os.kill(pid, signal.SIGSTOP)
+            return await task
+
+    try:
+        assert asyncio.run(go()) == want
+        stats = wait_stats(url, lambda s: freed(s) and not s["drafter_restarting"], timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert stats["drafter_failures"] > before["drafter_failures"]
+    assert stats["drafter_fallbacks"] > before["drafter_fallbacks"]
+    assert stats["drafter_pid"] != pid
 
 
 def test_small_load_test_loses_nothing(replica, tiny_path):
