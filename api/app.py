@@ -1,10 +1,11 @@
 """The FastAPI app: thin routes (parse, call ``OpenAIServing``, map errors, JSON or SSE).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``, ``GET /health`` (no auth) and ``GET /debug/engine`` (the
-engine's accounting: running and waiting requests, KV blocks, drafter states and fault
-counters). With API keys set, every ``/v1`` and ``/debug`` route needs
-``Authorization: Bearer <key>``.
+``GET /v1/models/{model}``, vLLM's ``POST /tokenize`` and ``POST /detokenize``,
+``GET /metrics`` (Prometheus text of the replica that answers), ``GET /version`` and
+``GET /health`` (no auth), and ``GET /debug/engine`` (the engine's accounting: running
+and waiting requests, KV blocks, drafter states and fault counters). With API keys set,
+every route but ``/health`` and ``/version`` needs ``Authorization: Bearer <key>``.
 
 Around them (``api.middleware``): a request id on every response and error, the in-flight
 count, and 503s while draining. Request bodies are read up to ``max_request_bytes`` (413
@@ -17,6 +18,7 @@ themselves, so a schema-driven fuzzer can reach them.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
@@ -28,7 +30,14 @@ from pydantic import BaseModel
 
 from api import request_id
 from api.auth import check_api_key
-from api.errors import APIError, error_response, install_error_handlers, shutting_down, too_large
+from api.errors import (
+    APIError,
+    error_response,
+    install_error_handlers,
+    not_found,
+    shutting_down,
+    too_large,
+)
 from api.lifecycle import Lifecycle
 from api.middleware import ServingMiddleware
 from api.protocol import (
@@ -36,11 +45,17 @@ from api.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeRequest,
 )
 from api.serving import OpenAIServing
 
 WARNING_HEADER = "X-LongSpark-Warning"
+try:
+    VERSION = importlib.metadata.version("longspark-serve")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    VERSION = "0+unknown"
 T = TypeVar("T")
 
 
@@ -196,11 +211,41 @@ def create_app(
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict[str, Any]:
-        return serving.models().model_dump()
+        return (await serving.models()).model_dump()
 
     @app.get("/v1/models/{model:path}", dependencies=v1)
     async def model(model: str) -> dict[str, Any]:
-        return serving.model_card(model).model_dump()
+        return (await serving.model_card(model)).model_dump()
+
+    async def simple(request: Request, parse: Callable[[bytes], Any], run: Callable) -> Response:
+        try:
+            body = await _read_body(request, settings.max_request_bytes)
+            return JSONResponse((await run(parse(body))).model_dump())
+        except Exception as exc:  # noqa: BLE001 - mapped in api.errors
+            return error_response(exc)
+
+    @app.post("/tokenize", dependencies=v1)
+    async def tokenize(request: Request) -> Response:
+        return await simple(request, TokenizeRequest.model_validate_json, serving.tokenize)
+
+    @app.post("/detokenize", dependencies=v1)
+    async def detokenize(request: Request) -> Response:
+        return await simple(request, DetokenizeRequest.model_validate_json, serving.detokenize)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/metrics", dependencies=v1)
+    async def prometheus() -> Response:
+        text = getattr(serving.client, "metrics_text", None)
+        if text is None:
+            return error_response(not_found("this server exports no metrics here"))
+        try:
+            body = await text()
+        except Exception as exc:  # noqa: BLE001 - mapped in api.errors
+            return error_response(exc)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")
     async def health() -> Response:

@@ -21,14 +21,8 @@ from services.engine.params import InvalidRequest, SamplingParams
 
 # field -> the values that mean "not used" (accepted); anything else is a 400
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -41,6 +35,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 MAX_STOP_SEQUENCES = 16
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP_CHARS = 256
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
 
@@ -61,7 +57,7 @@ class _Request(BaseModel):
     top_k: int | None = Field(None, description="extension: sample from the k most likely")
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(None, description="choices per prompt (only 1)")
+    n: int | None = Field(None, description=f"choices per prompt (1 to {MAX_N})")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(None, description="extension: generate past EOS")
@@ -69,15 +65,19 @@ class _Request(BaseModel):
         None, description="extension: the generated token ids in `longspark.token_ids`"
     )
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
+    # vLLM's extensions
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     # the OpenAI fields this service does not implement; see UNSUPPORTED
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
     suffix: Any = None
     best_of: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -92,15 +92,26 @@ class _Request(BaseModel):
         for name, off in UNSUPPORTED.items():
             if name in self.model_fields_set and getattr(self, name) not in off:
                 raise InvalidRequest(f"{name} is not supported by this server", name)
-        if self.n not in (None, 1):
-            raise InvalidRequest("only n=1 is supported", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must lie in [1, {MAX_N}], got {self.n}", "n")
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities asked per token: None = none (see the endpoint's field)."""
+        return None
 
     def ignored_fields(self) -> list[str]:
         """Fields OpenAI does not define for this endpoint (ignored, reported in a header)."""
         return sorted(self.model_extra or {})
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Validated sampling settings (``InvalidRequest`` names the offending field)."""
+    def sampling_params(
+        self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """Validated sampling settings (``InvalidRequest`` names the offending field);
+        ``defaults`` fill what the request leaves unset (the model's generation config)."""
         self.check_supported()
         stop = self.stop if self.stop is not None else []
         stop = [stop] if isinstance(stop, str) else list(stop)
@@ -112,15 +123,35 @@ class _Request(BaseModel):
             )
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise InvalidRequest("seed must fit in 64 bits", "seed")
-        temperature = 1.0 if self.temperature is None else float(self.temperature)
+        bias = None
+        if self.logit_bias:
+            if not all(t.isdigit() for t in self.logit_bias):
+                raise InvalidRequest("logit_bias keys must be token ids", "logit_bias")
+            bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        d = defaults or {}
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else d.get(name, fallback)
+
         return SamplingParams(  # validates; temperatures below 1e-5 become greedy
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-            temperature=temperature,
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=0 if self.top_k is None else self.top_k,
+            temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)),
+            top_k=pick("top_k", 0),
             seed=self.seed,
             stop=stop,
             ignore_eos=bool(self.ignore_eos),
+            min_p=float(pick("min_p", 0.0)),
+            presence_penalty=float(pick("presence_penalty", 0.0)),
+            frequency_penalty=float(pick("frequency_penalty", 0.0)),
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
+            logit_bias=bias,
+            min_tokens=self.min_tokens or 0,
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False,
+            logprobs=self.num_logprobs(),
         )
 
     @property
@@ -130,17 +161,21 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, description="top log-probabilities per token (0 to 20)")
+    echo: bool | None = Field(None, description="the prompt's text before the completion")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (a string or token ids); a batch of several is a 400."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token-id list, or a batch of them."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise InvalidRequest("only one prompt per request is supported", "prompt")
-            p = p[0]
-        if isinstance(p, list) and not p:
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(batch) > MAX_PROMPTS:
+            raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        if any(isinstance(q, list) and not q for q in batch) or (isinstance(p, list) and not p):
             raise InvalidRequest("the prompt is empty", "prompt")
-        return p
+        return batch
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -168,6 +203,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = Field(None, description="the chosen tokens' log-probabilities")
+    top_logprobs: int | None = Field(None, description="and this many alternatives (0 to 20)")
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages for the chat template ("developer" is the new name of "system")."""
@@ -176,10 +220,12 @@ class ChatCompletionRequest(_Request):
             for m in self.messages
         ]
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
+        return super().sampling_params(default_max_tokens, defaults)
 
 
 # -- responses --------------------------------------------------------------------------
@@ -219,10 +265,20 @@ class _ResponseBase(BaseModel):
     longspark: LongSparkInfo | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """The completions API's log-probabilities: per token its text, offset in the
+    choice's text, log-probability, and the most likely tokens there (the chosen one too)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -236,10 +292,24 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -256,7 +326,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -275,11 +345,54 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "longspark"
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+    def template_messages(self) -> list[dict[str, str]] | None:
+        """The chat messages as the template takes them (None: a prompt)."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("give exactly one of prompt and messages", "prompt")
+        if self.add_generation_prompt is False:
+            raise InvalidRequest(
+                "add_generation_prompt=false is not supported", "add_generation_prompt"
+            )
+        if self.messages is None:
+            return None
+        return ChatCompletionRequest(model="", messages=self.messages).template_messages()
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None = None
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

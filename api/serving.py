@@ -12,6 +12,8 @@ stream. A client that goes away cancels the stream, which aborts the request.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -22,23 +24,31 @@ from api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessageOut,
     ChatStreamChoice,
+    ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     LongSparkInfo,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
     Usage,
     new_id,
     now,
 )
 from services.engine.async_engine import GenerateRequest
 from services.engine.params import InvalidRequest, SamplingParams
-from services.engine.sequence import RequestOutput, SpecStats
+from services.engine.sequence import OutputLogprob, RequestOutput, SpecStats
 
 
 class EngineClient(Protocol):
@@ -47,6 +57,12 @@ class EngineClient(Protocol):
     async def stats(self) -> dict[str, Any]: ...
 
     async def health(self) -> None: ...
+
+    async def tokenize(self, request: GenerateRequest, add_special_tokens: bool) -> list[int]: ...
+
+    async def detokenize(self, token_ids: list[int]) -> str: ...
+
+    async def model_info(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -61,6 +77,8 @@ class ServingSettings:
     max_tokens_limit: int | None = None  # a request asking for more gets a 400
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers (browsers refuse)
     debug_routes: bool = True
+    # what a request that sets no sampling fields gets (the model's generation config)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -70,15 +88,6 @@ class ServingSettings:
 
 def _finish_reason(reason: str | None) -> str | None:
     return reason if reason in (None, "stop", "length") else "stop"
-
-
-def _usage(final: RequestOutput) -> Usage:
-    n = len(final.token_ids)
-    return Usage(
-        prompt_tokens=final.num_prompt_tokens,
-        completion_tokens=n,
-        total_tokens=final.num_prompt_tokens + n,
-    )
 
 
 async def _close(outputs: AsyncIterator[RequestOutput]) -> None:
@@ -94,14 +103,19 @@ class OpenAIServing:
     def __init__(self, client: EngineClient, settings: ServingSettings) -> None:
         self.client, self.settings = client, settings
         self.created = now()
+        self._max_model_len: int | None = None
 
     # -- models ---------------------------------------------------------------------
-    def models(self) -> ModelList:
-        return ModelList(data=[self.model_card(self.settings.model_name)])
+    async def models(self) -> ModelList:
+        return ModelList(data=[await self.model_card(self.settings.model_name)])
 
-    def model_card(self, name: str) -> ModelCard:
+    async def model_card(self, name: str) -> ModelCard:
         self.check_model(name)
-        return ModelCard(id=name, created=self.created)
+        if self._max_model_len is None:
+            self._max_model_len = (await self.client.model_info()).get("max_model_len")
+        return ModelCard(
+            id=name, created=self.created, root=name, max_model_len=self._max_model_len
+        )
 
     def check_model(self, name: str) -> None:
         if name != self.settings.model_name:
@@ -126,11 +140,12 @@ class OpenAIServing:
     def sampling_params(
         self, req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int
     ) -> SamplingParams:
-        """The request's settings, ``max_tokens`` held to the server's cap."""
+        """The request's settings (unset ones from the model's generation config),
+        ``max_tokens`` held to the server's cap."""
         limit = self.settings.max_tokens_limit
         if limit is not None:
             default_max_tokens = min(default_max_tokens, limit)
-        params = req.sampling_params(default_max_tokens)
+        params = req.sampling_params(default_max_tokens, self.settings.sampling_defaults)
         if limit is not None and params.max_tokens > limit:
             raise InvalidRequest(f"max_tokens must be at most {limit} on this server", "max_tokens")
         return params
@@ -139,119 +154,313 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
         params = self.sampling_params(req, self.settings.completion_max_tokens)
-        greq = GenerateRequest(params, prompt=req.single_prompt(), request_id=new_id("cmpl"))
-        outputs, first = await self._start(greq)
+        if req.echo and params.logprobs is not None:
+            raise InvalidRequest("echo with logprobs (prompt logprobs) is not supported", "echo")
+        request_id = new_id("cmpl")
+        prompts = req.prompts()
+        greqs = [
+            GenerateRequest(p, prompt=prompt, request_id=f"{request_id}-{i}")
+            for i, (prompt, p) in enumerate(
+                (prompt, p) for prompt in prompts for p in _choice_params(params, req.num_choices)
+            )
+        ]
+        echoes = [""] * len(greqs)
+        if req.echo:
+            texts = [q if isinstance(q, str) else await self.client.detokenize(q) for q in prompts]
+            echoes = [t for t in texts for _ in range(req.num_choices)]
+        streams = await self._start(greqs)
+        choices = _Choices(greqs, req.num_choices, echoes)
         if req.stream:
-            return self._stream(greq.request_id, first, outputs, req, chat=False)
-        final, text = await self._collect(first, outputs)
+            return self._stream(request_id, streams, choices, req, chat=False)
+        finals = await self._collect(streams, choices)
         return CompletionResponse(
-            id=greq.request_id,
+            id=request_id,
             created=now(),
             model=self.settings.model_name,
             choices=[
-                CompletionChoice(text=text, finish_reason=_finish_reason(final.finish_reason))
+                CompletionChoice(
+                    index=i,
+                    text=choices.text[i],
+                    logprobs=_completion_logprobs(choices.logprobs[i], len(echoes[i]))
+                    if params.logprobs is not None
+                    else None,
+                    finish_reason=_finish_reason(f.finish_reason),
+                )
+                for i, f in enumerate(finals)
             ],
-            usage=_usage(final),
-            longspark=self.info(final, bool(req.return_token_ids)),
+            usage=choices.usage(finals),
+            longspark=self.info(finals[0], bool(req.return_token_ids)),
         )
 
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
         params = self.sampling_params(req, self.settings.chat_max_tokens)
-        greq = GenerateRequest(
-            params, messages=req.template_messages(), request_id=new_id("chatcmpl")
-        )
-        outputs, first = await self._start(greq)
+        request_id = new_id("chatcmpl")
+        messages = req.template_messages()
+        greqs = [
+            GenerateRequest(p, messages=messages, request_id=f"{request_id}-{i}")
+            for i, p in enumerate(_choice_params(params, req.num_choices))
+        ]
+        streams = await self._start(greqs)
+        choices = _Choices(greqs, req.num_choices)
         if req.stream:
-            return self._stream(greq.request_id, first, outputs, req, chat=True)
-        final, text = await self._collect(first, outputs)
-        choice = ChatChoice(
-            message=ChatMessageOut(content=text), finish_reason=_finish_reason(final.finish_reason)
-        )
+            return self._stream(request_id, streams, choices, req, chat=True)
+        finals = await self._collect(streams, choices)
         return ChatCompletionResponse(
-            id=greq.request_id,
+            id=request_id,
             created=now(),
             model=self.settings.model_name,
-            choices=[choice],
-            usage=_usage(final),
-            longspark=self.info(final, bool(req.return_token_ids)),
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=ChatMessageOut(content=choices.text[i]),
+                    logprobs=_chat_logprobs(choices.logprobs[i])
+                    if params.logprobs is not None
+                    else None,
+                    finish_reason=_finish_reason(f.finish_reason),
+                )
+                for i, f in enumerate(finals)
+            ],
+            usage=choices.usage(finals),
+            longspark=self.info(finals[0], bool(req.return_token_ids)),
         )
 
-    # -- the stream -----------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model or self.settings.model_name)
+        messages = req.template_messages()
+        greq = GenerateRequest(SamplingParams(), prompt=req.prompt, messages=messages)
+        ids = await self.client.tokenize(greq, req.add_special_tokens is not False)
+        info = await self.client.model_info()
+        return TokenizeResponse(count=len(ids), max_model_len=info.get("max_model_len"), tokens=ids)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model or self.settings.model_name)
+        return DetokenizeResponse(prompt=await self.client.detokenize(req.tokens))
+
+    # -- the streams ----------------------------------------------------------------
     async def _start(
-        self, greq: GenerateRequest
-    ) -> tuple[AsyncIterator[RequestOutput], RequestOutput]:
-        """Submit and wait for the first delta: admission errors raise here."""
-        outputs = self.client.generate(greq)
-        try:
-            first = await anext(outputs)
-        except BaseException:
-            await _close(outputs)
-            raise
-        return outputs, first
+        self, greqs: list[GenerateRequest]
+    ) -> list[tuple[AsyncIterator[RequestOutput], RequestOutput]]:
+        """Submit every choice and wait for each one's first delta: admission errors raise
+        here (and the choices already started are stopped)."""
+
+        async def start(greq: GenerateRequest):
+            outputs = self.client.generate(greq)
+            try:
+                return outputs, await anext(outputs)
+            except BaseException:
+                await _close(outputs)
+                raise
+
+        started = await asyncio.gather(*(start(g) for g in greqs), return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(
+                *(_close(r[0]) for r in started if not isinstance(r, BaseException)),
+                return_exceptions=True,
+            )
+            raise failed[0]
+        return started  # type: ignore[return-value]
 
     async def _collect(
-        self, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
-    ) -> tuple[RequestOutput, str]:
-        out, parts = first, [first.new_text]
-        try:
-            while not out.finished:
-                out = await anext(outputs)
-                parts.append(out.new_text)
-        finally:
-            if not out.finished:
-                await _close(outputs)
-        return out, "".join(parts)
+        self,
+        streams: list[tuple[AsyncIterator[RequestOutput], RequestOutput]],
+        choices: _Choices,
+    ) -> list[RequestOutput]:
+        """Every choice's whole answer; its final outputs, in choice order."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for index, out in _merged(streams):
+            choices.add(index, out)
+            if out.finished:
+                finals[index] = out
+        return finals  # type: ignore[return-value]
 
     async def _stream(
         self,
         request_id: str,
-        first: RequestOutput,
-        outputs: AsyncIterator[RequestOutput],
+        streams: list[tuple[AsyncIterator[RequestOutput], RequestOutput]],
+        choices: _Choices,
         req: CompletionRequest | ChatCompletionRequest,
         chat: bool,
     ) -> AsyncIterator[str]:
         created, model = now(), self.settings.model_name
+        want_logprobs = req.num_logprobs() is not None
 
-        def event(text: str | None, reason: str | None = None, out: RequestOutput | None = None):
+        def event(
+            index: int,
+            text: str | None,
+            reason: str | None = None,
+            out: RequestOutput | None = None,
+            logprobs: list[OutputLogprob] | None = None,
+            offset: int = 0,
+        ) -> str:
             extras = self.info(out, bool(req.return_token_ids)) if out is not None else None
             if chat:
                 delta = DeltaMessage(content=text) if text is not None else DeltaMessage()
-                choice = ChatStreamChoice(delta=delta, finish_reason=reason)
+                choice = ChatStreamChoice(
+                    index=index,
+                    delta=delta,
+                    finish_reason=reason,
+                    logprobs=_chat_logprobs(logprobs) if want_logprobs and logprobs else None,
+                )
                 chunk = ChatCompletionChunk(
                     id=request_id, created=created, model=model, choices=[choice], longspark=extras
                 )
             else:
-                choice = CompletionChoice(text=text or "", finish_reason=reason)
+                choice = CompletionChoice(
+                    index=index,
+                    text=text or "",
+                    finish_reason=reason,
+                    logprobs=_completion_logprobs(logprobs, offset)
+                    if want_logprobs and logprobs
+                    else None,
+                )
                 chunk = CompletionChunk(
                     id=request_id, created=created, model=model, choices=[choice], longspark=extras
                 )
             return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
-        out = first
+        finals: list[RequestOutput | None] = [None] * len(streams)
         try:
-            if chat:
-                role = ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))
-                head = ChatCompletionChunk(
-                    id=request_id, created=created, model=model, choices=[role]
-                )
-                yield f"data: {head.model_dump_json(exclude_none=True)}\n\n"
-            while True:
+            for index in range(len(streams)):
+                if chat:
+                    role = ChatStreamChoice(
+                        index=index, delta=DeltaMessage(role="assistant", content="")
+                    )
+                    head = ChatCompletionChunk(
+                        id=request_id, created=created, model=model, choices=[role]
+                    )
+                    yield f"data: {head.model_dump_json(exclude_none=True)}\n\n"
+                elif choices.echo[index]:
+                    yield event(index, choices.echo[index])
+            async for index, out in _merged(streams):
+                offset = len(choices.text[index])
+                choices.add(index, out)
                 if out.finished:
-                    yield event(out.new_text or None, _finish_reason(out.finish_reason), out)
-                    break
-                if out.new_text:
-                    yield event(out.new_text)
-                out = await anext(outputs)
+                    finals[index] = out
+                    reason = _finish_reason(out.finish_reason)
+                    last = out if len(streams) == 1 else None
+                    yield event(index, out.new_text or None, reason, last, out.new_logprobs, offset)
+                elif out.new_text or (want_logprobs and out.new_logprobs):
+                    yield event(index, out.new_text, None, None, out.new_logprobs, offset)
             if req.include_usage:
                 cls = ChatCompletionChunk if chat else CompletionChunk
                 usage = cls(
-                    id=request_id, created=created, model=model, choices=[], usage=_usage(out)
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=choices.usage(finals),  # type: ignore[arg-type]
                 )
                 yield f"data: {usage.model_dump_json(exclude_none=True)}\n\n"
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-stream
             yield sse_error(exc)
         finally:
-            if not out.finished:
-                await _close(outputs)
+            await asyncio.gather(
+                *(_close(o) for (o, _), f in zip(streams, finals, strict=True) if f is None),
+                return_exceptions=True,
+            )
         yield "data: [DONE]\n\n"
+
+
+def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One request's settings per choice: a seeded request's choice ``i`` takes seed
+    ``seed + i`` (as vLLM does), so the choices differ and the request stays reproducible."""
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+
+class _Choices:
+    """What a request's choices have produced so far: text and log-probabilities."""
+
+    def __init__(self, greqs: list[GenerateRequest], n: int, echo: list[str] | None = None):
+        self.n = n
+        self.echo = echo or [""] * len(greqs)
+        self.text = list(self.echo)
+        self.logprobs: list[list[OutputLogprob]] = [[] for _ in greqs]
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        self.text[index] += out.new_text
+        if out.new_logprobs:
+            self.logprobs[index].extend(out.new_logprobs)
+
+    def usage(self, finals: list[RequestOutput]) -> Usage:
+        """Prompt tokens once per prompt (its n choices share it), every choice's output."""
+        prompt = sum(f.num_prompt_tokens for f in finals[:: self.n])
+        completion = sum(len(f.token_ids) for f in finals)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+
+async def _merged(
+    streams: list[tuple[AsyncIterator[RequestOutput], RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every choice's deltas as they come, each with its choice index (its first delta,
+    already read, first)."""
+    if len(streams) == 1:  # the usual case: no tasks
+        outputs, out = streams[0]
+        yield 0, out
+        while not out.finished:
+            out = await anext(outputs)
+            yield 0, out
+        return
+    inbox: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int, outputs: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in outputs:
+                await inbox.put((index, out))
+                if out.finished:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            await inbox.put((index, exc))
+
+    for index, (_, first) in enumerate(streams):
+        await inbox.put((index, first))
+    tasks = [
+        asyncio.create_task(pump(i, o))
+        for i, (o, first) in enumerate(streams)
+        if not first.finished
+    ]
+    try:
+        left = len(streams)
+        while left:
+            index, item = await inbox.get()
+            if isinstance(item, BaseException):
+                raise item
+            left -= item.finished
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _completion_logprobs(entries: list[OutputLogprob], offset: int) -> CompletionLogprobs:
+    """The completions shape: ``top_logprobs`` holds the chosen token and the top N."""
+    out = CompletionLogprobs()
+    for e in entries:
+        out.text_offset.append(offset)
+        offset += len(e.token)
+        out.tokens.append(e.token)
+        out.token_logprobs.append(e.logprob)
+        top = {e.token: e.logprob}
+        top.update({t: v for t, _, v in e.top if t not in top})
+        out.top_logprobs.append(top)
+    return out
+
+
+def _chat_logprobs(entries: list[OutputLogprob]) -> ChatLogprobs:
+    def item(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                **item(e.token, e.logprob),
+                top_logprobs=[TopLogprob(**item(t, v)) for t, _, v in e.top],
+            )
+            for e in entries
+        ]
+    )

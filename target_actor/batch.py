@@ -60,16 +60,48 @@ class ForwardOutput:
 
 @dataclass
 class SeqSampling:
-    """The sampling settings the target side needs for one sequence (rank 0 samples)."""
+    """The sampling settings the target side needs for one sequence (rank 0 samples).
+
+    Besides the distribution's shape (temperature, min-p, top-k, top-p) it carries the
+    logits processors that depend on the sequence's own tokens (penalties, logit bias,
+    ``min_tokens``; ``target_actor.logits_processors``) and how many log-probabilities
+    to return per generated token (``logprobs``: None = none, 0 = the chosen token's only).
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()  # masked until min_tokens tokens are out (EOS, stop ids)
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits are processed before sampling (by the history or a bias)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or (self.min_tokens and self.stop_ids)
+        )
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether the processors read the sequence's token counts (the penalties)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
 
 @dataclass
@@ -107,8 +139,20 @@ class VerifyBatch:
 
 
 @dataclass
+class TokenLogprobs:
+    """One generated token's log-probability and the most likely alternatives at its place
+    (under the raw model distribution, as vLLM reports them by default)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class StepResult:
     """What the engine reads back from a prefill or a verify: tokens and counts only."""
 
     committed: list[list[int]]  # per sequence: accepted drafts + the recovered/bonus token
     num_accepted: list[int]  # per sequence: accepted drafts m (0 for prefill)
+    # per sequence, one entry per committed token; None for sequences that asked for none
+    logprobs: list[list[TokenLogprobs] | None] | None = None

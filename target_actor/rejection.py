@@ -4,7 +4,8 @@ Vocabulary (used the same way everywhere in the project):
 
 * **draft tokens** ``d_1..d_k``: what the drafter proposed for positions ``t+1..t+k``.
 * **target** ``p``: the distribution the target model actually samples from, i.e.
-  ``target_actor.sampling.target_probs`` (temperature, top-k, top-p). Logit row ``j`` was
+  ``target_actor.sampling.target_probs`` (temperature, min-p, top-k, top-p) of the
+  logits after the sequence's processors (``target_actor.logits_processors``). Logit row ``j`` was
   computed at position ``t+j``, so it predicts the token after it: row ``j`` verifies
   draft ``j+1`` and row ``k`` gives the bonus token.
 * **proposal** ``q``: the distribution draft ``d_j`` was sampled from. The drafter ships
@@ -212,18 +213,18 @@ def _processed_p(
     logits: torch.Tensor, rows: torch.Tensor, nd: torch.Tensor, params: list[SeqSampling]
 ) -> torch.Tensor:
     """``target_probs`` on each sequence's own ``nd[i] + 1`` rows (ragged ``[rows, vocab]``,
-    zero elsewhere), one call per distinct (temperature, top_k, top_p)."""
-    groups: dict[tuple[float, int, float], list[int]] = defaultdict(list)
+    zero elsewhere), one call per distinct (temperature, top_k, top_p, min_p)."""
+    groups: dict[tuple[float, int, float, float], list[int]] = defaultdict(list)
     for i, sp in enumerate(params):
-        groups[(sp.temperature, sp.top_k, sp.top_p)].append(i)
+        groups[(sp.temperature, sp.top_k, sp.top_p, sp.min_p)].append(i)
     if len(groups) == 1 and int((nd + 1).sum()) == logits.shape[0]:  # one setting, all rows
         return target_probs(logits, *next(iter(groups)))
     p = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     slots = torch.arange(rows.shape[1], device=logits.device)
-    for (temperature, top_k, top_p), members in groups.items():
+    for setting, members in groups.items():
         idx = torch.tensor(members, device=logits.device)
         own = rows[idx][slots[None, :] <= nd[idx][:, None]]  # their rows, each once
-        p[own] = target_probs(logits[own], temperature, top_k, top_p)
+        p[own] = target_probs(logits[own], *setting)
     return p
 
 

@@ -1,6 +1,8 @@
 """The distribution a sequence actually samples from: ``p`` = processed target probabilities.
 
-``target_probs`` applies temperature, then top-k, then top-p, and renormalises. Plain
+``target_probs`` applies temperature, then min-p, then top-k, then top-p, and renormalises
+(vLLM's order). The logits it takes are already processed (penalties, logit bias,
+``min_tokens``: ``target_actor.logits_processors``). Plain
 decoding samples from it and the rejection sampler verifies drafts against exactly the
 same ``p``, which keeps speculative output lossless. Greedy (``temperature == 0``) never
 builds ``p``: it takes the argmax of the logits.
@@ -15,15 +17,21 @@ from __future__ import annotations
 
 import torch
 
+from target_actor.batch import TokenLogprobs
+
 TOP_P_CANDIDATES = 1024  # top-p sorts only this many candidates when they hold enough mass
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 
 
 def target_probs(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
 ) -> torch.Tensor:
     """``logits`` ``[n, vocab]`` -> the processed distribution ``[n, vocab]`` (fp32, sums to 1)."""
     logits = logits.float() / temperature
+    if min_p > 0.0:  # drop tokens less likely than min_p x the most likely one
+        probs = torch.softmax(logits, dim=-1)
+        floor = min_p * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -49,3 +57,16 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return out / out.sum(-1, keepdim=True)
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
+    """Rows ``[>= len(tokens), vocab]`` of log-probabilities -> token ``j``'s entry from row
+    ``j``, with the ``top`` most likely tokens of that row."""
+    rows = logprobs[: len(tokens)]
+    chosen = rows[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if top:
+        best = rows.topk(top, dim=-1)
+        ids, values = best.indices.tolist(), best.values.tolist()
+    else:
+        ids = values = [[] for _ in tokens]
+    return [TokenLogprobs(c, i, v) for c, i, v in zip(chosen, ids, values, strict=True)]

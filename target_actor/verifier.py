@@ -5,19 +5,24 @@ drafter's proposal) and builds the messages for the drafter. The per-sequence sa
 settings and seeded generators live here, next to the sampling, so a seeded request is
 reproducible whatever else shares its batch. The target probabilities ``p`` never leave
 this process: the engine gets tokens and counts (``StepResult``), the drafter gets
-fixed-size views (``PrefillViews`` / ``RoundUpdate``).
+fixed-size views (``PrefillViews`` / ``RoundUpdate``). A sequence with penalties, a
+logit bias or ``min_tokens`` also keeps its token history here (``TokenHistory``), and
+log-probabilities are read off the raw logits of the rows its tokens were sampled from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
 from target_actor.batch import ForwardBatch, PrefillBatch, SeqSampling, StepResult, VerifyBatch
+from target_actor.logits_processors import TokenHistory
 from target_actor.messages import PrefillViews, Proposal, RoundUpdate
 from target_actor.rejection import rejection_sample
 from target_actor.runner import TargetRunner
+from target_actor.sampling import token_logprobs
 from target_actor.summary import (
     build_round_update,
     empty_summary,
@@ -68,6 +73,7 @@ class Verifier:
         self.is_driver = runner.tp.rank == 0
         self.sampling: dict[int, SeqSampling] = {}
         self.generators: dict[int, torch.Generator | None] = {}
+        self.history: dict[int, TokenHistory] = {}  # sequences with logits processors
         self.summary_queries: torch.Tensor | None = None  # G [L, H, R, hd], set by the engine
 
     def set_summary_queries(self, g: torch.Tensor | None) -> None:
@@ -78,11 +84,16 @@ class Verifier:
     def prefill(self, batch: PrefillBatch) -> tuple[StepResult | None, list[PrefillViews] | None]:
         """Run the prompts (packed into ragged forwards of at most ``PREFILL_TOKENS`` tokens,
         long ones split into chunks), sample each first token, build each drafter's views."""
-        for seq_id, sampling in zip(batch.seq_ids, batch.sampling, strict=True):
+        for seq_id, sampling, prompt in zip(
+            batch.seq_ids, batch.sampling, batch.prompts, strict=True
+        ):
             self.sampling[seq_id] = sampling
             self.generators[seq_id] = (
                 None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
             )
+            self.history.pop(seq_id, None)
+            if sampling.penalised and self.is_driver:
+                self.history[seq_id] = TokenHistory(sampling, prompt, self.cfg.vocab_size)
         taps = batch.want_views and self.summary_queries is not None
         progress = dict.fromkeys(batch.seq_ids, 0)
         prompts = dict(zip(batch.seq_ids, batch.prompts, strict=True))
@@ -136,9 +147,10 @@ class Verifier:
                     del progress[seq_id]
         if not self.is_driver:
             return None, None
-        logits = torch.stack([last_logits[s] for s in batch.seq_ids]).unsqueeze(1)  # [n, 1, vocab]
+        logits = torch.stack([last_logits[s] for s in batch.seq_ids])  # [n, vocab]
         with self._rewind_on_failure(batch.seq_ids):
             result = self._sample(batch.seq_ids, logits, None, [0] * len(batch.seq_ids))
+        self._record(batch.seq_ids, result)
         if not taps:
             return result, None
         return result, [views[s].build(s, self.sampling[s].seed, prompts[s]) for s in batch.seq_ids]
@@ -164,12 +176,16 @@ class Verifier:
         out = self.runner.forward(fwd)
         if not self.is_driver:
             return None, None
+        for seq_id, pos in zip(batch.seq_ids, batch.positions, strict=True):
+            if (hist := self.history.get(seq_id)) is not None:  # the round's start, as the KV
+                hist.rewind(pos + 1 - hist.prompt_len)
         # ragged logits: each sequence's 1 + num_draft rows, never padded to the round's k
         with self._rewind_on_failure(batch.seq_ids):
             result = self._sample(batch.seq_ids, out.logits, proposal, batch.num_draft)
             updates = (
                 self._round_updates(batch, fwd, out, result, tokens) if batch.want_updates else None
             )
+        self._record(batch.seq_ids, result)
         return result, updates
 
     @contextlib.contextmanager
@@ -209,6 +225,8 @@ class Verifier:
         return updates
 
     def _sample(self, seq_ids, logits, proposal: Proposal | None, num_draft) -> StepResult:
+        """Process, verify and sample ragged ``logits`` ``[sum(num_draft + 1), vocab]``
+        (processed in place); log-probabilities come from the raw rows."""
         gens = [self.generators[s] for s in seq_ids]
         params = [self.sampling[s] for s in seq_ids]
         k, n = max(num_draft), len(seq_ids)
@@ -222,8 +240,31 @@ class Verifier:
             proposal = Proposal(
                 proposal.tokens[:, :k], proposal.q_ids[:, :k], proposal.q_probs[:, :k]
             )
+        starts = list(itertools.accumulate((d + 1 for d in num_draft), initial=0))
+        raw = {
+            i: torch.log_softmax(logits[starts[i] : starts[i + 1]].float(), dim=-1)
+            for i, sp in enumerate(params)
+            if sp.logprobs is not None
+        }
+        for i, seq_id in enumerate(seq_ids):
+            if (hist := self.history.get(seq_id)) is not None:
+                rows = slice(starts[i], starts[i + 1])
+                logits[rows] = hist.process(
+                    logits[rows], proposal.tokens[i, : num_draft[i]].tolist()
+                )
         res = rejection_sample(logits, proposal, params, gens, num_draft)
-        return StepResult(committed=res.committed, num_accepted=res.num_accepted.tolist())
+        logprobs = None
+        if raw:
+            logprobs = [None] * n
+            for i, rows in raw.items():
+                logprobs[i] = token_logprobs(rows, res.committed[i], params[i].logprobs)
+        return StepResult(res.committed, res.num_accepted.tolist(), logprobs)
+
+    def _record(self, seq_ids: list[int], result: StepResult) -> None:
+        """The committed tokens into the histories of the sequences that keep one."""
+        for seq_id, tokens in zip(seq_ids, result.committed, strict=True):
+            if (hist := self.history.get(seq_id)) is not None:
+                hist.extend(tokens)
 
     # -- lifecycle ----------------------------------------------------------------
     def free(self, seq_ids: list[int]) -> None:
@@ -231,6 +272,7 @@ class Verifier:
         for s in seq_ids:
             self.sampling.pop(s, None)
             self.generators.pop(s, None)
+            self.history.pop(s, None)
 
     def forward(self, batch: ForwardBatch):
         return self.runner.forward(batch)

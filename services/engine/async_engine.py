@@ -138,8 +138,14 @@ class _Call:
 
 def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """``a`` then ``b`` as one delta: new tokens and text joined, the rest from ``b``."""
+    logprobs = None
+    if a.new_logprobs is not None or b.new_logprobs is not None:
+        logprobs = (a.new_logprobs or []) + (b.new_logprobs or [])
     return dataclasses.replace(
-        b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text
+        b,
+        new_token_ids=a.new_token_ids + b.new_token_ids,
+        new_text=a.new_text + b.new_text,
+        new_logprobs=logprobs,
     )
 
 
@@ -250,6 +256,23 @@ class AsyncEngine:
 
     async def stats(self) -> dict[str, Any]:
         return await self.call(lambda engine: self._stats())
+
+    async def tokenize(self, req: GenerateRequest, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids as a request would be given them (``/tokenize``)."""
+        if isinstance(req.prompt, str) and not add_special_tokens:
+            return self.tok.encode(req.prompt, add_special_tokens=False)
+        return encode_request(self.tok, req)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (``/detokenize``); ids outside the vocabulary are a 400."""
+        vocab = self.engine.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequest("token id outside the vocabulary", "tokens")
+        return self.tok.decode(token_ids)
+
+    async def model_info(self) -> dict[str, Any]:
+        """What ``/v1/models`` and ``/tokenize`` report about the served model."""
+        return {"max_model_len": self.engine.max_len}
 
     async def health(self) -> None:
         self.check_health()

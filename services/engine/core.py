@@ -35,10 +35,10 @@ from services.engine.errors import is_fatal, user_error_message
 from services.engine.metrics import EngineStats
 from services.engine.params import InvalidRequest, SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import RequestOutput, SeqStatus, Sequence
+from services.engine.sequence import OutputLogprob, RequestOutput, SeqStatus, Sequence
 from services.engine.stopping import StopChecker
 from services.engine.tokenizer import Tokenizer
-from target_actor.batch import PrefillBatch, SeqSampling, StepResult, VerifyBatch
+from target_actor.batch import PrefillBatch, StepResult, TokenLogprobs, VerifyBatch
 from target_actor.config import TargetConfigError
 from target_actor.handle import TargetHandle
 from target_actor.messages import DraftRequest, Proposal, scatter_proposal
@@ -125,11 +125,19 @@ class Engine:
             )
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
             raise InvalidRequest("prompt token id outside the vocabulary", "prompt")
+        params.check_vocab(self.cfg.vocab_size)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         stopper = StopChecker(
-            self.eos, params.max_tokens, params.stop, params.ignore_eos, self.max_len
+            self.eos,
+            params.max_tokens,
+            params.stop,
+            params.ignore_eos,
+            self.max_len,
+            params.stop_token_ids,
+            params.min_tokens,
+            params.include_stop_str_in_output,
         )
         seq = Sequence(
             next(self._ids),
@@ -138,7 +146,7 @@ class Engine:
             params,
             stopper,
             on_output,
-            detokenizer=IncrementalDetokenizer(self.tok.decode),
+            detokenizer=IncrementalDetokenizer(self._decoder(params.skip_special_tokens)),
         )
         if not self.scheduler.can_ever_fit(seq):
             raise InvalidRequest(
@@ -335,10 +343,7 @@ class Engine:
         batch = PrefillBatch(
             [s.seq_id for s in seqs],
             [s.prompt_ids for s in seqs],
-            [
-                SeqSampling(s.params.temperature, s.params.top_k, s.params.top_p, s.params.seed)
-                for s in seqs
-            ],
+            [s.params.target_sampling(self.eos) for s in seqs],
             want_views=with_drafter,
         )
         result, views = self.target.prefill(batch)
@@ -357,10 +362,13 @@ class Engine:
         """Append each sequence's tokens, stream them, finish the ones that stopped. A
         sequence whose commit raises (its stop rules, its text) finishes alone."""
         done: list[Sequence] = []
-        for seq, tokens, m, nd in zip(
-            seqs, result.committed, result.num_accepted, num_draft, strict=True
+        logprobs = result.logprobs or [None] * len(seqs)
+        for seq, tokens, m, nd, lps in zip(
+            seqs, result.committed, result.num_accepted, num_draft, logprobs, strict=True
         ):
             try:
+                if lps is not None:
+                    seq.logprobs.extend(self._render_logprobs(tokens, lps))
                 if self._commit_one(seq, tokens, m, nd, count):
                     done.append(seq)
             except Exception as exc:  # noqa: BLE001 - this sequence's failure alone
@@ -379,6 +387,7 @@ class Engine:
         reason, keep = seq.stopper.check_tokens(seq.output_ids, len(tokens), seq.total_len)
         if reason is not None:
             del seq.output_ids[keep:]
+            del seq.logprobs[keep:]
         text, stop_cut = self._text(seq)
         if stop_cut is not None:
             reason, text = "stop", text[:stop_cut]
@@ -388,9 +397,33 @@ class Engine:
         self._finish(seq, reason, text)
         return True
 
+    def _decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+        if skip_special_tokens:
+            return self.tok.decode
+        return lambda ids: self.tok.decode(ids, skip_special_tokens=False)
+
+    def _render_logprobs(
+        self, tokens: list[int], entries: list[TokenLogprobs]
+    ) -> list[OutputLogprob]:
+        """The target's log-probabilities with each token's text (a token alone, special
+        tokens spelt out, as vLLM shows them)."""
+
+        def text(t: int) -> str:
+            return self.tok.decode([t], skip_special_tokens=False)
+
+        return [
+            OutputLogprob(
+                text(t),
+                t,
+                e.logprob,
+                [(text(i), i, v) for i, v in zip(e.top_ids, e.top_logprobs, strict=True)],
+            )
+            for t, e in zip(tokens, entries, strict=True)
+        ]
+
     def _text(self, seq: Sequence) -> tuple[str, int | None]:
         text = seq.detokenizer.text(seq.output_ids)
-        cut = seq.stopper.check_text(text, len(seq.emitted_text))
+        cut = seq.stopper.check_text(text, len(seq.emitted_text), len(seq.output_ids))
         return text, (cut if cut >= 0 else None)
 
     def _emit(self, seq: Sequence, text: str, final: bool = False) -> None:
@@ -400,6 +433,9 @@ class Engine:
             if seq.stopper.holdback:
                 text = text[: max(len(seq.emitted_text), len(text) - seq.stopper.holdback)]
         new_ids = seq.output_ids[seq.emitted_tokens :]
+        new_logprobs = (
+            seq.logprobs[seq.emitted_tokens :] if seq.params.logprobs is not None else None
+        )
         new_text = text[len(seq.emitted_text) :]
         seq.emitted_tokens, seq.emitted_text = len(seq.output_ids), text
         if seq.on_output is not None and (new_ids or new_text or final):
@@ -415,6 +451,8 @@ class Engine:
                     len(seq.prompt_ids),
                     seq.stats if final else None,
                     seq.error if final else None,
+                    new_logprobs,
+                    list(seq.logprobs) if final and new_logprobs is not None else None,
                 )
             )
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from target_actor.batch import SeqSampling
 from target_actor.errors import LongSparkError
 from target_actor.sampling import SAMPLING_EPS
 
@@ -22,8 +23,21 @@ class InvalidRequest(LongSparkError, ValueError):
         self.param = param
 
 
+MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's and vLLM's limit)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias value
+
+
 @dataclass
 class SamplingParams:
+    """What one request asks of the sampler (vLLM's names and meanings).
+
+    The distribution: temperature, ``min_p``, ``top_k``, ``top_p`` of the logits after the
+    processors that read the request's own tokens (``presence_penalty``,
+    ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``min_tokens``). The
+    output: stop strings and ``stop_token_ids``, ``logprobs`` per token (the raw model
+    distribution, vLLM's default), how the text is decoded.
+    """
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -31,6 +45,16 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; 0: the chosen token's; N: and the N most likely
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -55,6 +79,31 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop must be a non-empty string or a list of them", "stop")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must lie in [0, 1], got {self.min_p}", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(f"{name} must lie in [-2, 2], got {getattr(self, name)}", name)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequest(
+                f"repetition_penalty must lie in (0, 2], got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                f"min_tokens must lie in [0, max_tokens], got {self.min_tokens}", "min_tokens"
+            )
+        if self.logit_bias:
+            self.logit_bias = {
+                int(t): max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b)))
+                for t, b in self.logit_bias.items()
+            }
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be token ids", "stop_token_ids")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(
+                f"logprobs must lie in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -63,3 +112,36 @@ class SamplingParams:
     def generator(self) -> torch.Generator | None:
         """A private RNG for a seeded request, so its output does not depend on the batch."""
         return None if self.seed is None else torch.Generator().manual_seed(self.seed)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the request names must exist in the model's vocabulary."""
+        for name, ids in (
+            ("logit_bias", list(self.logit_bias or ())),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"{name} names token id {bad[0]}, outside the vocabulary of {vocab_size}", name
+                )
+
+    def target_sampling(self, eos_ids: tuple[int, ...]) -> SeqSampling:
+        """What the target side samples with; ``min_tokens`` holds back EOS (unless
+        ignored) and the stop token ids."""
+        stop_ids = tuple(
+            dict.fromkeys([*(() if self.ignore_eos else eos_ids), *self.stop_token_ids])
+        )
+        return SeqSampling(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias or None,
+            min_tokens=self.min_tokens,
+            stop_ids=stop_ids if self.min_tokens else (),
+            logprobs=self.logprobs,
+        )

@@ -48,6 +48,17 @@ class SpecStats:
 
 
 @dataclass
+class OutputLogprob:
+    """A generated token's log-probability with the most likely tokens at its place, as
+    text and id (what the API renders in OpenAI's logprobs shapes)."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: list[tuple[str, int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """What a request's stream receives after a round (deltas) or at its end."""
 
@@ -61,6 +72,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     stats: SpecStats | None = None
     error: str | None = None  # set on the final output of a request the engine failed
+    new_logprobs: list[OutputLogprob] | None = None  # one per new token, if asked for
+    logprobs: list[OutputLogprob] | None = None  # the whole output's, on the final output
 
 
 @dataclass(eq=False)
@@ -73,6 +86,7 @@ class Sequence:
     on_output: Callable[[RequestOutput], None] | None = None
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)  # committed generated tokens
+    logprobs: list[OutputLogprob] = field(default_factory=list)  # one per output id, if asked
     finish_reason: str | None = None
     error: str | None = None  # why the engine failed this request (finish reason "error")
     stats: SpecStats = field(default_factory=SpecStats)

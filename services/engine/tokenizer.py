@@ -18,8 +18,8 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf(text, add_special_tokens=True).input_ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Apply the model's chat template, ending with the assistant's turn opener."""
@@ -30,5 +30,5 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.hf(text, add_special_tokens=False).input_ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -117,6 +117,22 @@ class EngineReplica:
     async def health(self) -> None:
         self.engine.check_health()
 
+    async def tokenize(
+        self, request: GenerateRequest, add_special_tokens: bool = True
+    ) -> list[int]:
+        return await self.engine.tokenize(request, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.engine.detokenize(token_ids)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.engine.model_info()
+
+    async def metrics_text(self) -> str:
+        """This replica's metrics, Prometheus text (``/metrics`` on the API port)."""
+        snap = await self.engine.call(lambda engine: EngineMetrics.snapshot(engine, drain=False))
+        return self.metrics.prometheus_text(snap)
+
     def check_health(self) -> None:
         """Serve's periodic health check: fails once a target rank died."""
         self.engine.check_health()
@@ -167,6 +183,20 @@ class ServeEngineClient:
     async def health(self) -> None:
         await self.handle.health.remote()
 
+    async def tokenize(
+        self, request: GenerateRequest, add_special_tokens: bool = True
+    ) -> list[int]:
+        return await self.handle.tokenize.remote(request, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.handle.detokenize.remote(token_ids)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.handle.model_info.remote()
+
+    async def metrics_text(self) -> str:
+        return await self.handle.metrics_text.remote()
+
 
 class LocalEngineClient:
     """The API's engine client inside the engine replica itself: no hop per delta."""
@@ -182,6 +212,20 @@ class LocalEngineClient:
 
     async def health(self) -> None:
         await self.replica.health()
+
+    async def tokenize(
+        self, request: GenerateRequest, add_special_tokens: bool = True
+    ) -> list[int]:
+        return await self.replica.tokenize(request, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.replica.detokenize(token_ids)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.replica.model_info()
+
+    async def metrics_text(self) -> str:
+        return await self.replica.metrics_text()
 
 
 class OpenAIFront:

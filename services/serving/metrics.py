@@ -16,6 +16,7 @@ Ray's agent computes a histogram's ``_sum`` from bucket midpoints, so a mean fro
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 from ray.util import metrics
@@ -97,10 +98,19 @@ class EngineMetrics:
             for n, d in HISTOGRAMS.items()
         }
         self._last: dict[str, Any] = {}
+        self.local = {
+            n: LocalHistogram(LATENCY_BUCKETS)
+            for n in (
+                "time_to_first_token_seconds",
+                "time_per_output_token_seconds",
+                "e2e_request_latency_seconds",
+            )
+        }
 
     @staticmethod
-    def snapshot(engine: Engine) -> dict[str, Any]:
-        """Engine-thread side: the numbers, without Ray calls (runs between rounds)."""
+    def snapshot(engine: Engine, drain: bool = True) -> dict[str, Any]:
+        """Engine-thread side: the numbers, without Ray calls (runs between rounds);
+        ``drain`` takes the timing logs (the exporter's), else leaves them."""
         s, spec = engine.stats, engine.stats.spec
         sched = engine.scheduler
         counters = getattr(engine.drafter, "counters", None)
@@ -130,8 +140,8 @@ class EngineMetrics:
             "drafter_enabled": float(
                 engine.drafter is not None and bool(drafter.get("drafter_enabled", True))
             ),
-            "rounds_log": s.round_log.drain(),
-            "requests_log": s.request_log.drain(),
+            "rounds_log": s.round_log.drain() if drain else [],
+            "requests_log": s.request_log.drain() if drain else [],
         }
 
     def update(self, snap: dict[str, Any]) -> None:
@@ -155,10 +165,101 @@ class EngineMetrics:
             h["round_time_seconds"].observe(round_s, self.tags)
         for (e2e_s,) in snap["requests_log"]:
             h["e2e_request_latency_seconds"].observe(e2e_s, self.tags)
+            self.local["e2e_request_latency_seconds"].observe(e2e_s)
         self._last = snap
 
     def observe_request(self, ttft_s: float | None, tpot_s: float | None) -> None:
         if ttft_s is not None:
             self.histograms["time_to_first_token_seconds"].observe(ttft_s, self.tags)
+            self.local["time_to_first_token_seconds"].observe(ttft_s)
         if tpot_s is not None:
             self.histograms["time_per_output_token_seconds"].observe(tpot_s, self.tags)
+            self.local["time_per_output_token_seconds"].observe(tpot_s)
+
+    def prometheus_text(self, snap: dict[str, Any]) -> str:
+        """The replica's metrics in Prometheus' text format, for ``/metrics`` on the API
+        port: ``snap`` (a fresh, non-draining snapshot) for counters and gauges, this
+        replica's own TTFT / TPOT / e2e histograms. Names in vLLM's spelling
+        (:func:`exposed_name`)."""
+        lines: list[str] = []
+        tags = _labels(self.tags)
+
+        def family(name: str, kind: str, help_text: str) -> str:
+            full = exposed_name(name)
+            lines.append(f"# HELP {full} {help_text}")
+            lines.append(f"# TYPE {full} {kind}")
+            return full
+
+        for name, help_text in COUNTERS.items():
+            full = family(name, "counter", help_text)
+            lines.append(f"{full}_total{tags} {snap[name]}")
+        for name, (help_text, label) in LABELLED_COUNTERS.items():
+            full = family(name, "counter", help_text)
+            for value, count in sorted(snap[name].items()):
+                lines.append(f"{full}_total{_labels({**self.tags, label: value})} {count}")
+        for name, help_text in GAUGES.items():
+            full = family(name, "gauge", help_text)
+            lines.append(f"{full}{tags} {float(snap[name])}")
+        for name, hist in self.local.items():
+            full = family(name, "histogram", HISTOGRAMS[name])
+            for le, count in hist.cumulative():
+                lines.append(f"{full}_bucket{_labels({**self.tags, 'le': le})} {count}")
+            lines.append(f"{full}_sum{tags} {hist.sum}")
+            lines.append(f"{full}_count{tags} {hist.count}")
+        return "\n".join(lines) + "\n"
+
+
+# the names vLLM's server exports (as vllm:<name>); the rest are ours (longspark:<name>)
+VLLM_NAMES = frozenset(
+    {
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens",
+        "generation_tokens",
+        "request_success",
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+    }
+)
+
+
+def exposed_name(name: str) -> str:
+    """A metric's name on the API port's ``/metrics``: ``vllm:`` where vLLM's server has
+    the same series, ``longspark:`` otherwise."""
+    return ("vllm:" if name in VLLM_NAMES else "longspark:") + name
+
+
+def _labels(tags: dict[str, str]) -> str:
+    body = ",".join(f'{k}="{_escape(str(v))}"' for k, v in tags.items())
+    return "{" + body + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class LocalHistogram:
+    """Bucket counts kept in the replica, for its own ``/metrics``."""
+
+    def __init__(self, buckets: list[float]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for le, n in zip([*map(str, self.buckets), "+Inf"], self.counts, strict=True):
+            total += n
+            out.append((le, total))
+        return out
