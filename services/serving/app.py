@@ -240,6 +240,7 @@ class OpenAIFront:
             max_tokens_limit=a.max_tokens_limit,
             cors_origins=tuple(a.cors_origins),
             debug_routes=a.debug_routes,
+            sampling_defaults=dict(a.sampling_defaults),
         )
         self.serving = OpenAIServing(client, settings)
         self.lifecycle = Lifecycle(max_in_flight)

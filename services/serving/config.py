@@ -131,6 +131,14 @@ class ServeArgs(EngineOptions):
     )
     max_request_bytes: int = Field(4 << 20, ge=1024, description="bigger bodies get 413")
     debug_routes: bool = Field(True, description="GET /debug/engine: engine accounting")
+    generation_config: str = Field(
+        "auto",
+        description="sampling defaults: auto (the model folder's generation_config.json),"
+        " vllm (none: OpenAI's) or a folder holding one",
+    )
+    sampling_defaults: dict[str, float] = Field(
+        default_factory=dict, description="what requests get unset (set by resolved())"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServeArgs:
@@ -144,6 +152,7 @@ class ServeArgs(EngineOptions):
     def resolved(self) -> ServeArgs:
         """Model folder, served name, drafter choice and API key fixed for the replicas."""
         from services.engine.backends import shipped_drafter
+        from services.engine.generation_config import sampling_defaults
         from target_actor.checkpoint import resolve_target
         from target_actor.config import ModelConfig
 
@@ -160,6 +169,7 @@ class ServeArgs(EngineOptions):
             "api_key": api_key,
             "api_key_file": key_file,
             "api_keys": list(dict.fromkeys(keys)),
+            "sampling_defaults": sampling_defaults(path, self.generation_config),
         }
         if self.mode == "spec" and self.drafter is None:
             shipped = shipped_drafter(path)

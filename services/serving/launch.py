@@ -44,6 +44,7 @@ OVERRIDES = {
     "cors_origin": "cors_origins",
     "grace_period": "shutdown_grace_s",
     "max_tokens_limit": "max_tokens_limit",
+    "generation_config": "generation_config",
 }
 
 

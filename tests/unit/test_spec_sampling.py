@@ -141,6 +141,103 @@ def pooled_chi2(obs: torch.Tensor, exp: torch.Tensor) -> tuple[float, int]:
     """Pearson's statistic with the outcomes expected < 5 times pooled into one cell."""
     keep = exp >= 5
     if bool((~keep).any()):
-        obs = torch.cat([obs[keep], obs[~keep].sum().view(1)])
-        exp = torch.cat([exp[keep], exp[~keep].sum().view(1)])
+        if float(exp[~keep].sum()) == 0.0:  # impossible outcomes only (min-p, top-k)
+            if float(obs[~keep].sum()) > 0:
+                return float("inf"), int(keep.sum())
+            obs, exp = obs[keep], exp[keep]
+        else:
+            obs = torch.cat([obs[keep], obs[~keep].sum().view(1)])
+            exp = torch.cat([exp[keep], exp[~keep].sum().view(1)])
     return float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1
+
+
+PENALTIES = dict(
+    presence_penalty=0.8,
+    frequency_penalty=0.9,
+    repetition_penalty=1.8,
+    logit_bias={3: 1.5, 6: -2.0},
+    min_p=0.02,
+)
+
+
+def penalised_joint(target: LocalTarget, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """p(t1, t2, t3 | prompt) under ``PENALTIES``, written out independently of
+    ``target_actor.logits_processors``: each step's logits get the bias, then the
+    repetition penalty over prompt and output tokens, then frequency and presence over
+    the output; min-p on the softmax (temperature 1)."""
+    joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    seq = itertools.count(20_000)
+
+    def probs(logits: torch.Tensor, output: list[int]) -> torch.Tensor:
+        x = logits.double().clone()
+        for t, b in PENALTIES["logit_bias"].items():
+            x[t] += b
+        for t in set(prompt) | set(output):
+            r = PENALTIES["repetition_penalty"]
+            x[t] = x[t] / r if x[t] > 0 else x[t] * r
+        for t in set(output):
+            x[t] -= PENALTIES["frequency_penalty"] * output.count(t)
+            x[t] -= PENALTIES["presence_penalty"]
+        p = torch.softmax(x, -1)
+        p = torch.where(p < PENALTIES["min_p"] * p.max(), 0.0, p)
+        return p / p.sum()
+
+    for t1, t2 in itertools.product(range(VOCAB), repeat=2):
+        sid = next(seq)
+        out = target.forward(ForwardBatch.single(sid, prompt + [t1, t2], 0, num_logits=3)).logits
+        target.free([sid])
+        joint[t1, t2] = probs(out[0], [])[t1] * probs(out[1], [t1])[t2] * probs(out[2], [t1, t2])
+    return joint
+
+
+def _penalised_counts(tmp_path, forget_drafts: bool, monkeypatch) -> tuple[torch.Tensor, Engine]:
+    from drafter_actor.worker import LocalDrafter
+    from target_actor.logits_processors import TokenHistory
+
+    if forget_drafts:  # the planted bug: verify rows ignore the drafts before them
+        real = TokenHistory.process
+        monkeypatch.setattr(TokenHistory, "process", lambda self, x, drafts: real(self, x, []))
+    path = make_tiny_checkpoint(
+        tmp_path / "t",
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        initializer_range=0.3,
+    )
+    target = LocalTarget(TargetSpec(str(path), kv_cache_tokens=N_SAMPLES * 8))
+    drafter = LocalDrafter(
+        target_path=str(path),
+        drafter_path="random",
+        k=2,
+        seed=1,
+        overrides={"proposal_support": 4},
+    )
+    engine = Engine(
+        target, Letters(), drafter, EngineConfig(k=2, max_num_seqs=2500, max_prefill_seqs=2500)
+    )
+    torch.manual_seed(0)
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **PENALTIES)
+    for o in engine.generate([PROMPT] * N_SAMPLES, params):
+        counts[tuple(o.token_ids)] += 1
+    return counts, engine
+
+
+@pytest.mark.parametrize("forget_drafts", [False, True])
+def test_joint_under_penalties_matches_target(tmp_path, monkeypatch, forget_drafts):
+    """Penalties, logit bias and min-p: the joint of the first three tokens under spec
+    decoding equals the penalised target's; a verifier that forgets the drafts before each
+    row (the planted bias) fails the same test."""
+    counts, engine = _penalised_counts(tmp_path, forget_drafts, monkeypatch)
+    spec = engine.stats.spec
+    assert (
+        spec.num_accepted_tokens >= 50 and spec.num_accepted_tokens < 0.95 * spec.num_draft_tokens
+    )
+    expected = penalised_joint(engine.target) * N_SAMPLES
+    results = [
+        pooled_chi2(obs, exp) for obs, exp in [(counts, expected), (counts.sum(2), expected.sum(2))]
+    ]
+    passed = all(chi2 < chi2_threshold(df) for chi2, df in results)
+    assert passed != forget_drafts, f"forget_drafts={forget_drafts}: chi2, df = {results}"
