@@ -334,7 +334,7 @@ class OpenAIServing:
                 elif choices.echo[index]:
                     yield event(index, choices.echo[index])
             async for index, out in _merged(streams):
-                offset = len(choices.text[index])
+                offset = choices.offset(index)
                 choices.add(index, out)
                 if out.finished:
                     finals[index] = out
@@ -379,11 +379,18 @@ class _Choices:
         self.echo = echo or [""] * len(greqs)
         self.text = list(self.echo)
         self.logprobs: list[list[OutputLogprob]] = [[] for _ in greqs]
+        self._chars = [len(e) for e in self.echo]  # characters the tokens so far spell
 
     def add(self, index: int, out: RequestOutput) -> None:
         self.text[index] += out.new_text
         if out.new_logprobs:
             self.logprobs[index].extend(out.new_logprobs)
+            self._chars[index] += sum(len(e.token) for e in out.new_logprobs)
+
+    def offset(self, index: int) -> int:
+        """Where the choice's next token starts in its text (as its tokens spell it; the
+        text itself may lag behind, held back for stop strings or split characters)."""
+        return self._chars[index]
 
     def usage(self, finals: list[RequestOutput]) -> Usage:
         """Prompt tokens once per prompt (its n choices share it), every choice's output."""

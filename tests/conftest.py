@@ -65,3 +65,39 @@ def pytest_configure(config):
     from api import proxy_guard
 
     proxy_guard.install()  # every Ray a test starts runs Serve's proxies behind the guard
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_chat_model(folder: Path, arch: str = "qwen3", **overrides) -> Path:
+    """A tiny random model with a real (byte-level BPE) tokenizer and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        ["The quick brown fox jumps over the lazy dog. Hello world."] * 4, trainer
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    make_tiny_checkpoint(
+        folder, arch, vocab_size=len(fast), eos_token_id=fast.eos_token_id, **overrides
+    )
+    fast.save_pretrained(folder)
+    return folder

@@ -27,8 +27,8 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import make_tiny_chat_model
 from tests.serving_helpers import engine_stats, freed, uvicorn_server, wait_stats
-from tests.unit.test_api import make_tiny_chat_model
 
 pytestmark = pytest.mark.ray
 

@@ -26,8 +26,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
+from tests.conftest import make_tiny_chat_model
 from tests.serving_helpers import engine_stats, freed, uvicorn_server, wait_stats
-from tests.unit.test_api import make_tiny_chat_model
 
 MODEL = "tiny-chat"
 KEY = "fuzz-key"

@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import make_tiny_chat_model
 from tests.serving_helpers import free_port
-from tests.unit.test_api import make_tiny_chat_model
 
 pytestmark = pytest.mark.ray
 

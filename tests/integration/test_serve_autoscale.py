@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import make_tiny_chat_model
 from tests.serving_helpers import serve_app
-from tests.unit.test_api import make_tiny_chat_model
 
 pytestmark = pytest.mark.ray
 

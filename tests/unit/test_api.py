@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,68 +17,8 @@ from api.serving import OpenAIServing, ServingSettings
 from services.engine.async_engine import AsyncEngine, GenerateRequest, RequestFailed
 from services.engine.backends import EngineOptions, build_engine
 from services.engine.params import SamplingParams
-from tests.conftest import make_tiny_checkpoint
 
 MODEL = "tiny-chat"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def make_tiny_chat_model(folder: Path, arch: str = "qwen3", **overrides) -> Path:
-    """A tiny random model with a real (byte-level BPE) tokenizer and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(
-        ["The quick brown fox jumps over the lazy dog. Hello world."] * 4, trainer
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        bos_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-    )
-    make_tiny_checkpoint(
-        folder, arch, vocab_size=len(fast), eos_token_id=fast.eos_token_id, **overrides
-    )
-    fast.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory) -> Path:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_chat):
-    eng, close = build_engine(
-        EngineOptions(
-            target=str(tiny_chat), drafter="random", k=4, max_num_seqs=8, kv_cache_tokens=8192
-        )
-    )
-    runner = AsyncEngine(eng)
-    yield runner
-    runner.shutdown()
-    close()
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_chat):
-    eng, close = build_engine(EngineOptions(target=str(tiny_chat), mode="ar", kv_cache_tokens=4096))
-    yield eng
-    close()
 
 
 def make_app(engine, api_key=None, max_request_bytes=1 << 20):

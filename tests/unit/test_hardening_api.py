@@ -26,8 +26,8 @@ from api.serving import OpenAIServing, ServingSettings
 from services.engine.async_engine import AsyncEngine, EngineLimits, GenerateRequest
 from services.engine.backends import EngineOptions, build_engine
 from services.engine.params import SamplingParams
+from tests.conftest import make_tiny_chat_model
 from tests.serving_helpers import freed, uvicorn_server, wait_stats
-from tests.unit.test_api import make_tiny_chat_model
 
 MODEL = "tiny-chat"
 ROOT = Path(__file__).resolve().parents[2]
