@@ -1,0 +1,193 @@
+"""vLLM-server parity, served: SmolLM2 on real Ray Serve (spec mode, the shipped drafter),
+driven by the official ``openai`` client: n seeded choices, logprobs equal to plain
+decoding's, penalties, /tokenize, and ``/metrics`` on the API port agreeing with what the
+client counted (and refusing a caller without the key)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from tests.serving_helpers import serve_app
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+KEY = "parity-key"
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+WEIGHTS = dict(dtype="bfloat16", quant="int4")  # the served form, pinned on both sides
+MESSAGES = [{"role": "user", "content": "Write a haiku about autumn leaves."}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    args = dict(
+        target=str(smollm2_path),
+        k=7,
+        adaptive=False,  # draft every round: the spec path under test
+        max_num_seqs=16,
+        kv_cache_tokens=16384,
+        cpus_per_actor=0.5,
+        api_key=KEY,
+        **WEIGHTS,
+    )
+    with serve_app(args, name="parity") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_path):
+    from services.engine.backends import EngineOptions, build_engine
+
+    engine, close = build_engine(EngineOptions(target=str(smollm2_path), mode="ar", **WEIGHTS))
+    yield engine
+    close()
+
+
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def chat_ids(plain) -> list[int]:
+    return plain.tok.encode_chat(MESSAGES)
+
+
+def test_n_seeded_choices_are_distinct_and_reproducible(server):
+    def ask():
+        return client(server).chat.completions.create(
+            model=MODEL, messages=MESSAGES, n=3, seed=11, temperature=1.0, max_tokens=24
+        )
+
+    first, again = ask(), ask()
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert [c.message.content for c in again.choices] == texts
+
+
+def test_greedy_logprobs_equal_plain_decoding(server, plain):
+    from services.engine.params import SamplingParams
+
+    out = client(server).chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=40,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    (ref,) = plain.generate([chat_ids(plain)], SamplingParams(max_tokens=40, logprobs=3, ignore_eos=True))
+    assert out.model_extra["longspark"]["token_ids"] == ref.token_ids
+    assert out.model_extra["longspark"]["num_accepted_tokens"] > 0  # drafts were accepted
+    got = out.choices[0].logprobs.content
+    assert len(got) == len(ref.logprobs) == 40
+    for g, r in zip(got, ref.logprobs, strict=True):
+        assert g.token == r.token and abs(g.logprob - r.logprob) <= 1e-5
+        assert [t.token for t in g.top_logprobs] == [t[0] for t in r.top]
+        for t, (_, _, value) in zip(g.top_logprobs, r.top, strict=True):
+            assert abs(t.logprob - value) <= 1e-5
+
+
+def test_sampled_logprobs_are_the_targets_at_each_token(server, plain):
+    """Seeded sampling in spec mode: each token's logprob is the raw target log-softmax
+    at its place, as plain decoding computes it step by step over the same tokens."""
+    import torch
+
+    from target_actor.batch import ForwardBatch
+
+    out = client(server).chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0.8,
+        seed=3,
+        max_tokens=24,
+        logprobs=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    ids = out.model_extra["longspark"]["token_ids"]
+    prompt = chat_ids(plain)
+    # plain decoding's steps forced through the served tokens: a prompt forward, then one
+    # row per token, each step's raw log-softmax read at the next served token
+    target, seq, pos = plain.target, 424_242, len(prompt)
+    logits = target.forward(ForwardBatch.single(seq, prompt, 0)).logits[0]
+    forced = []
+    for token in ids:
+        forced.append(float(torch.log_softmax(logits.float(), -1)[token]))
+        logits = target.forward(ForwardBatch.single(seq, [token], pos)).logits[0]
+        pos += 1
+    target.free([seq])
+    served = [c.logprob for c in out.choices[0].logprobs.content]
+    assert max(abs(a - b) for a, b in zip(served, forced, strict=True)) <= 1e-5
+
+
+def test_penalties_change_the_output_as_plain_decoding_does(server, plain):
+    from services.engine.params import SamplingParams
+
+    settings = dict(frequency_penalty=1.0, presence_penalty=0.5)
+    extras = dict(repetition_penalty=1.2, ignore_eos=True, return_token_ids=True)
+    c = client(server)
+    penalised = c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=48, **settings, extra_body=extras
+    )
+    base = c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=48, extra_body=extras
+    )
+    (ref,) = plain.generate(
+        [chat_ids(plain)],
+        SamplingParams(max_tokens=48, repetition_penalty=1.2, ignore_eos=True, **settings),
+    )
+    got = penalised.model_extra["longspark"]["token_ids"]
+    assert got == ref.token_ids != base.model_extra["longspark"]["token_ids"]
+    # fewer repeated tokens than without the penalties
+    assert len(set(got)) > len(set(base.model_extra["longspark"]["token_ids"]))
+
+
+def test_tokenize_and_detokenize_served(server, plain):
+    tok = httpx.post(f"{server}/tokenize", json={"messages": MESSAGES}, headers=AUTH, timeout=60)
+    assert tok.status_code == 200 and tok.json()["tokens"] == chat_ids(plain)
+    text = httpx.post(
+        f"{server}/detokenize", json={"tokens": tok.json()["tokens"]}, headers=AUTH, timeout=60
+    )
+    assert text.status_code == 200 and "autumn leaves" in text.json()["prompt"]
+    card = client(server).models.list().data[0]
+    assert card.model_extra["max_model_len"] == tok.json()["max_model_len"] == 8192
+
+
+def _scrape(server) -> dict[str, float]:
+    r = httpx.get(f"{server}/metrics", headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        m = re.match(r"^([a-z_:]+)(\{[^}]*\})? (\S+)$", line)
+        if m:
+            key = m.group(1) + (m.group(2) or "")
+            out[key] = float(m.group(3))
+    return out
+
+
+def _total(metrics: dict[str, float], name: str) -> float:
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def test_metrics_on_the_api_port_agree_with_the_client(server):
+    assert httpx.get(f"{server}/metrics", timeout=60).status_code == 401  # the key's rule
+    before = _scrape(server)
+    c = client(server)
+    usage = []
+    for i in range(3):
+        r = c.completions.create(model=MODEL, prompt=f"Count to {i + 3}:", max_tokens=8 + i)
+        usage.append(r.usage)
+    after = _scrape(server)
+
+    def grew(name: str) -> float:
+        return _total(after, name) - _total(before, name)
+
+    assert grew("vllm:request_success_total") == 3
+    assert grew("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
+    assert grew("longspark:output_tokens_total") == sum(u.completion_tokens for u in usage)
+    assert grew("vllm:time_to_first_token_seconds_count") == 3
+    assert "vllm:num_requests_running{" in "".join(after)
