@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.engine import structured
 from services.engine.params import InvalidRequest, SamplingParams
 
 # field -> the values that mean "not used" (accepted); anything else is a 400
@@ -27,7 +28,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, False, True),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -75,6 +75,12 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: exactly one of json, regex, choice, grammar (Lark)"
+    )
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object, or json_schema with json_schema.schema"
+    )
     # the OpenAI fields this service does not implement; see UNSUPPORTED
     suffix: Any = None
     best_of: Any = None
@@ -82,7 +88,6 @@ class _Request(BaseModel):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
@@ -134,6 +139,7 @@ class _Request(BaseModel):
             value = getattr(self, name)
             return value if value is not None else d.get(name, fallback)
 
+        grammar, grammar_field = self.grammar()
         return SamplingParams(  # validates; temperatures below 1e-5 become greedy
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=float(pick("temperature", 1.0)),
@@ -152,7 +158,21 @@ class _Request(BaseModel):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
             logprobs=self.num_logprobs(),
+            grammar=grammar,
+            grammar_field=grammar_field,
         )
+
+    def grammar(self) -> tuple[str | None, str]:
+        """The grammar the output must follow (None: free text) and the field it came from."""
+        by_format = structured.from_response_format(self.response_format)
+        by_outputs = structured.from_structured_outputs(self.structured_outputs)
+        if by_format is not None and by_outputs is not None:
+            raise InvalidRequest(
+                "give response_format or structured_outputs, not both", "structured_outputs"
+            )
+        if by_outputs is not None:
+            return by_outputs, "structured_outputs"
+        return by_format, "response_format"
 
     @property
     def include_usage(self) -> bool:

@@ -80,6 +80,7 @@ class SeqSampling:
     min_tokens: int = 0
     stop_ids: tuple[int, ...] = ()  # masked until min_tokens tokens are out (EOS, stop ids)
     logprobs: int | None = None
+    grammar: str | None = None  # llguidance grammar the output must follow
 
     @property
     def greedy(self) -> bool:

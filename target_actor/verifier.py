@@ -18,6 +18,7 @@ import itertools
 import torch
 
 from target_actor.batch import ForwardBatch, PrefillBatch, SeqSampling, StepResult, VerifyBatch
+from target_actor.grammar import GrammarState, ll_tokenizer
 from target_actor.logits_processors import TokenHistory
 from target_actor.messages import PrefillViews, Proposal, RoundUpdate
 from target_actor.rejection import rejection_sample
@@ -74,6 +75,8 @@ class Verifier:
         self.sampling: dict[int, SeqSampling] = {}
         self.generators: dict[int, torch.Generator | None] = {}
         self.history: dict[int, TokenHistory] = {}  # sequences with logits processors
+        self.grammars: dict[int, GrammarState] = {}  # sequences with structured output
+        self.prompt_lens: dict[int, int] = {}  # of the sequences with either
         self.summary_queries: torch.Tensor | None = None  # G [L, H, R, hd], set by the engine
 
     def set_summary_queries(self, g: torch.Tensor | None) -> None:
@@ -91,9 +94,16 @@ class Verifier:
             self.generators[seq_id] = (
                 None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
             )
-            self.history.pop(seq_id, None)
-            if sampling.penalised and self.is_driver:
+            self._drop_state(seq_id)
+            if not self.is_driver:
+                continue
+            if sampling.penalised:
                 self.history[seq_id] = TokenHistory(sampling, prompt, self.cfg.vocab_size)
+            if sampling.grammar is not None:
+                tokenizer = ll_tokenizer(self.runner.spec.path, tuple(self.cfg.eos_token_ids))
+                self.grammars[seq_id] = GrammarState(sampling.grammar, tokenizer)
+            if seq_id in self.history or seq_id in self.grammars:
+                self.prompt_lens[seq_id] = len(prompt)
         taps = batch.want_views and self.summary_queries is not None
         progress = dict.fromkeys(batch.seq_ids, 0)
         prompts = dict(zip(batch.seq_ids, batch.prompts, strict=True))
@@ -164,6 +174,11 @@ class Verifier:
         drafts = [
             [] if n == 0 else proposal.tokens[i, :n].tolist() for i, n in enumerate(batch.num_draft)
         ]
+        if self.is_driver:
+            self._rewind(batch)
+            if self.runner.tp.world == 1:  # other ranks could not cut the same rows
+                drafts = self._cut_to_grammar(batch.seq_ids, drafts)
+        num_draft = [len(d) for d in drafts]
         tokens = [[a, *d] for a, d in zip(batch.anchors, drafts, strict=True)]
         fwd = ForwardBatch(
             seq_ids=batch.seq_ids,
@@ -176,17 +191,33 @@ class Verifier:
         out = self.runner.forward(fwd)
         if not self.is_driver:
             return None, None
-        for seq_id, pos in zip(batch.seq_ids, batch.positions, strict=True):
-            if (hist := self.history.get(seq_id)) is not None:  # the round's start, as the KV
-                hist.rewind(pos + 1 - hist.prompt_len)
         # ragged logits: each sequence's 1 + num_draft rows, never padded to the round's k
         with self._rewind_on_failure(batch.seq_ids):
-            result = self._sample(batch.seq_ids, out.logits, proposal, batch.num_draft)
+            result = self._sample(batch.seq_ids, out.logits, proposal, num_draft)
             updates = (
                 self._round_updates(batch, fwd, out, result, tokens) if batch.want_updates else None
             )
         self._record(batch.seq_ids, result)
         return result, updates
+
+    def _rewind(self, batch: VerifyBatch) -> None:
+        """Token histories and grammar matchers back to the round's start, as the KV."""
+        for seq_id, pos in zip(batch.seq_ids, batch.positions, strict=True):
+            if seq_id not in self.prompt_lens:
+                continue
+            num_output = pos + 1 - self.prompt_lens[seq_id]
+            if (hist := self.history.get(seq_id)) is not None:
+                hist.rewind(num_output)
+            if (grammar := self.grammars.get(seq_id)) is not None:
+                grammar.rewind(num_output)
+
+    def _cut_to_grammar(self, seq_ids: list[int], drafts: list[list[int]]) -> list[list[int]]:
+        """Each structured sequence's drafts through the first one its grammar forbids
+        (``GrammarState.cut``): no verify row is spent past it."""
+        return [
+            g.cut(d) if d and (g := self.grammars.get(s)) is not None else d
+            for s, d in zip(seq_ids, drafts, strict=True)
+        ]
 
     @contextlib.contextmanager
     def _rewind_on_failure(self, seq_ids: list[int]):
@@ -247,11 +278,15 @@ class Verifier:
             if sp.logprobs is not None
         }
         for i, seq_id in enumerate(seq_ids):
-            if (hist := self.history.get(seq_id)) is not None:
-                rows = slice(starts[i], starts[i + 1])
-                logits[rows] = hist.process(
-                    logits[rows], proposal.tokens[i, : num_draft[i]].tolist()
-                )
+            hist, grammar = self.history.get(seq_id), self.grammars.get(seq_id)
+            if hist is None and grammar is None:
+                continue
+            rows = slice(starts[i], starts[i + 1])
+            drafts = proposal.tokens[i, : num_draft[i]].tolist()
+            if hist is not None:
+                logits[rows] = hist.process(logits[rows], drafts)
+            if grammar is not None:
+                logits[rows] = grammar.mask(logits[rows].float(), drafts)
         res = rejection_sample(logits, proposal, params, gens, num_draft)
         logprobs = None
         if raw:
@@ -265,6 +300,8 @@ class Verifier:
         for seq_id, tokens in zip(seq_ids, result.committed, strict=True):
             if (hist := self.history.get(seq_id)) is not None:
                 hist.extend(tokens)
+            if (grammar := self.grammars.get(seq_id)) is not None:
+                grammar.commit(tokens)
 
     # -- lifecycle ----------------------------------------------------------------
     def free(self, seq_ids: list[int]) -> None:
@@ -272,7 +309,12 @@ class Verifier:
         for s in seq_ids:
             self.sampling.pop(s, None)
             self.generators.pop(s, None)
-            self.history.pop(s, None)
+            self._drop_state(s)
+
+    def _drop_state(self, seq_id: int) -> None:
+        self.history.pop(seq_id, None)
+        self.grammars.pop(seq_id, None)
+        self.prompt_lens.pop(seq_id, None)
 
     def forward(self, batch: ForwardBatch):
         return self.runner.forward(batch)

@@ -37,6 +37,7 @@ from services.engine.params import InvalidRequest, SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import OutputLogprob, RequestOutput, SeqStatus, Sequence
 from services.engine.stopping import StopChecker
+from services.engine.structured import GrammarChecker
 from services.engine.tokenizer import Tokenizer
 from target_actor.batch import PrefillBatch, StepResult, TokenLogprobs, VerifyBatch
 from target_actor.config import TargetConfigError
@@ -91,6 +92,7 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._updates: Any = None  # the last verify's RoundUpdates handle, for the drafter
+        self._grammars: GrammarChecker | None = None  # built at the first structured request
         self.planner = RoundPlanner(
             self.config.k,
             self.max_len,
@@ -126,6 +128,10 @@ class Engine:
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
             raise InvalidRequest("prompt token id outside the vocabulary", "prompt")
         params.check_vocab(self.cfg.vocab_size)
+        if params.grammar is not None:
+            if self._grammars is None:
+                self._grammars = GrammarChecker(self.tok.hf, tuple(self.eos))
+            self._grammars.check(params.grammar, params.grammar_field)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")

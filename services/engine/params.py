@@ -55,6 +55,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; 0: the chosen token's; N: and the N most likely
+    grammar: str | None = None  # llguidance grammar (services.engine.structured)
+    grammar_field: str = "response_format"  # the request field it came from (errors)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -144,4 +146,5 @@ class SamplingParams:
             min_tokens=self.min_tokens,
             stop_ids=stop_ids if self.min_tokens else (),
             logprobs=self.logprobs,
+            grammar=self.grammar,
         )

@@ -80,7 +80,9 @@ def test_greedy_logprobs_equal_plain_decoding(server, plain):
         top_logprobs=3,
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
-    (ref,) = plain.generate([chat_ids(plain)], SamplingParams(max_tokens=40, logprobs=3, ignore_eos=True))
+    (ref,) = plain.generate(
+        [chat_ids(plain)], SamplingParams(max_tokens=40, logprobs=3, ignore_eos=True)
+    )
     assert out.model_extra["longspark"]["token_ids"] == ref.token_ids
     assert out.model_extra["longspark"]["num_accepted_tokens"] > 0  # drafts were accepted
     got = out.choices[0].logprobs.content

@@ -24,6 +24,7 @@ from target_actor.worker import LocalTarget
 from tests.conftest import make_tiny_checkpoint
 
 N_SAMPLES = 20_000
+GRAMMAR_SAMPLES = (10_000, 6_000)  # exact, planted: a grammar's bias fails by a wide margin
 VOCAB = 8
 PROMPT = [1, 5, 2]
 
@@ -235,9 +236,101 @@ def test_joint_under_penalties_matches_target(tmp_path, monkeypatch, forget_draf
     assert (
         spec.num_accepted_tokens >= 50 and spec.num_accepted_tokens < 0.95 * spec.num_draft_tokens
     )
-    expected = penalised_joint(engine.target) * N_SAMPLES
+    expected = penalised_joint(engine.target) * counts.sum()
     results = [
         pooled_chi2(obs, exp) for obs, exp in [(counts, expected), (counts.sum(2), expected.sum(2))]
     ]
     passed = all(chi2 < chi2_threshold(df) for chi2, df in results)
     assert passed != forget_drafts, f"forget_drafts={forget_drafts}: chi2, df = {results}"
+
+
+LETTER_GRAMMAR = "[abc][a-e][b-g]"  # token j's allowed letters depend on j
+ALLOWED = [range(0, 3), range(0, 5), range(1, 7)]
+
+
+def letters_tokenizer():
+    """One token per letter a..h (h is EOS), byte-level: what llguidance can read."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate("abcdefgh")}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="h")
+
+
+def grammar_joint(target: LocalTarget, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """p(t1, t2, t3 | prompt) with each step's distribution renormalised over the letters
+    the grammar allows there."""
+    joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    seq = itertools.count(30_000)
+
+    def probs(logits: torch.Tensor, step: int) -> torch.Tensor:
+        p = torch.zeros(VOCAB, dtype=torch.float64)
+        p[ALLOWED[step]] = torch.softmax(logits.double(), -1)[ALLOWED[step]]
+        return p / p.sum()
+
+    for t1, t2 in itertools.product(range(VOCAB), repeat=2):
+        sid = next(seq)
+        out = target.forward(ForwardBatch.single(sid, prompt + [t1, t2], 0, num_logits=3)).logits
+        target.free([sid])
+        joint[t1, t2] = probs(out[0], 0)[t1] * probs(out[1], 1)[t2] * probs(out[2], 2)
+    return joint
+
+
+@pytest.mark.parametrize("planted", [None, "mask", "cut"])
+def test_joint_under_a_grammar_matches_target(tmp_path, monkeypatch, planted):
+    """A grammar-constrained request: the joint equals the target's renormalised over what
+    the grammar allows at each step. Two planted biases fail the same test: every row
+    masked as the round's first (a matcher not advanced over the drafts), and drafts cut
+    before the first forbidden one (which makes the token there a bonus from ``p``
+    instead of the residual of a rejection)."""
+    from drafter_actor.worker import LocalDrafter
+    from services.engine.structured import from_structured_outputs
+    from target_actor.grammar import GrammarState
+
+    if planted == "mask":
+        real = GrammarState.mask
+        monkeypatch.setattr(GrammarState, "mask", lambda self, x, drafts: real(self, x, []))
+    if planted == "cut":
+        monkeypatch.setattr(
+            GrammarState, "cut", lambda self, d: d[: self.matcher.validate_tokens(d)]
+        )
+    path = make_tiny_checkpoint(
+        tmp_path / "t",
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        initializer_range=0.3,
+        eos_token_id=7,
+    )
+    tokenizer = letters_tokenizer()
+    tokenizer.save_pretrained(path)  # the target rank builds its matcher from the folder
+    letters = Letters()
+    letters.hf = tokenizer  # the engine checks the grammar against it
+    target = LocalTarget(TargetSpec(str(path), kv_cache_tokens=N_SAMPLES * 8))
+    drafter = LocalDrafter(
+        target_path=str(path), drafter_path="random", k=2, seed=1, overrides={"proposal_support": 4}
+    )
+    engine = Engine(
+        target, letters, drafter, EngineConfig(k=2, max_num_seqs=2500, max_prefill_seqs=2500)
+    )
+    grammar = from_structured_outputs({"regex": LETTER_GRAMMAR})
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, grammar=grammar)
+    torch.manual_seed(0)
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    n = GRAMMAR_SAMPLES[planted is not None]
+    for o in engine.generate([PROMPT] * n, params):
+        counts[tuple(o.token_ids)] += 1
+    spec = engine.stats.spec
+    assert (
+        spec.num_accepted_tokens >= 50 and spec.num_accepted_tokens < 0.95 * spec.num_draft_tokens
+    )
+    expected = grammar_joint(target) * n
+    results = [
+        pooled_chi2(obs, exp) for obs, exp in [(counts, expected), (counts.sum(2), expected.sum(2))]
+    ]
+    passed = all(chi2 < chi2_threshold(df) for chi2, df in results)
+    assert passed == (planted is None), f"planted={planted}: chi2, df = {results}"
