@@ -193,3 +193,35 @@ def test_metrics_on_the_api_port_agree_with_the_client(server):
     assert grew("longspark:output_tokens_total") == sum(u.completion_tokens for u in usage)
     assert grew("vllm:time_to_first_token_seconds_count") == 3
     assert "vllm:num_requests_running{" in "".join(after)
+
+
+def test_json_schema_output_validates_in_spec_mode(server):
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "color": {"enum": ["red", "green", "blue"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+        },
+        "required": ["name", "color", "tags"],
+        "additionalProperties": False,
+    }
+    for temperature in (0.0, 0.8):
+        out = client(server).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            temperature=temperature,
+            seed=1,
+            max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        )
+        assert out.choices[0].finish_reason == "stop"
+        value = json.loads(out.choices[0].message.content)
+        assert (
+            set(value) == {"name", "color", "tags"}
+            and value["color"] in schema["properties"]["color"]["enum"]
+        )
+        assert isinstance(value["tags"], list) and len(value["tags"]) <= 3
+        assert out.model_extra["longspark"]["num_drafts"] > 0  # drafted and verified

@@ -270,3 +270,71 @@ def test_generation_config_choices(tmp_path):
     assert sampling_defaults(tmp_path / "nowhere") == {}  # auto: a model without one
     with pytest.raises(GenerationConfigError, match="no generation_config.json"):
         sampling_defaults(tmp_path, str(tmp_path / "nowhere"))
+
+
+def test_structured_outputs_follow_their_grammar(engine):
+    import re
+
+    app = make_app(engine)
+
+    async def go():
+        client = openai_client(app)
+        regex = await client.completions.create(
+            model=MODEL,
+            prompt="The quick",
+            max_tokens=20,
+            temperature=1.0,
+            seed=2,
+            extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+        )
+        choice = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "yes or no?"}],
+            max_tokens=10,
+            temperature=0,
+            extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+        )
+        schema = {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+            "required": ["ok", "n"],
+            "additionalProperties": False,
+        }
+        as_json = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "JSON please"}],
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+        return regex, choice, as_json
+
+    regex, choice, as_json = run(go())
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+    assert regex.choices[0].finish_reason == "stop"
+    assert choice.choices[0].message.content in ("yes", "no", "maybe")
+    if as_json.choices[0].finish_reason == "stop":  # a random model may run out of tokens
+        value = json.loads(as_json.choices[0].message.content)
+        assert set(value) == {"ok", "n"} and value["n"] in (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ],
+)
+def test_bad_grammars_are_400s(engine, extra, param):
+    async def go():
+        async with http(make_app(engine)) as c:
+            return await c.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3, **extra}
+            )
+
+    r = run(go())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
