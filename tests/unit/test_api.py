@@ -229,7 +229,7 @@ def test_chat_errors(engine):
             {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {"type": "json_schema"},
             },
             400,
             "response_format",
