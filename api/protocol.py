@@ -17,18 +17,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.engine import structured
+from services.engine import structured, tools
 from services.engine.params import InvalidRequest, SamplingParams
 
 # field -> the values that mean "not used" (accepted); anything else is a 400
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
+    "functions": (None, []),  # the deprecated spelling of tools
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -84,11 +81,8 @@ class _Request(BaseModel):
     # the OpenAI fields this service does not implement; see UNSUPPORTED
     suffix: Any = None
     best_of: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -205,12 +199,29 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -220,11 +231,89 @@ class ChatMessage(BaseModel):
         return "".join(part.text or "" for part in self.content)
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = Field(None, description="the chosen tokens' log-probabilities")
     top_logprobs: int | None = Field(None, description="and this many alternatives (0 to 20)")
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="more than one call (default)")
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or named (a function given by name)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools for the prompt (none when ``tool_choice`` is none)."""
+        if not self.tools or self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def named_tool(self) -> dict[str, Any]:
+        assert isinstance(self.tool_choice, NamedToolChoice)
+        name = self.tool_choice.function.name
+        for t in self.tool_dicts() or []:
+            if t["function"]["name"] == name:
+                return t
+        raise InvalidRequest(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+
+    def grammar(self) -> tuple[str | None, str]:
+        mode = self.tool_mode
+        if mode in ("required", "named"):
+            if not self.tools:
+                raise InvalidRequest(f"tool_choice {mode} needs tools", "tool_choice")
+            if self.response_format is not None or self.structured_outputs is not None:
+                raise InvalidRequest(
+                    "tool_choice required or named cannot be combined with "
+                    "response_format or structured_outputs",
+                    "tool_choice",
+                )
+            if mode == "named":
+                schema = tools.parameters(self.named_tool())
+            else:
+                schema = tools.required_schema(
+                    self.tool_dicts() or [], self.parallel_tool_calls is not False
+                )
+            return structured.json_grammar(schema, "tools", compact=True), "tools"
+        return super().grammar()
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -233,12 +322,23 @@ class ChatCompletionRequest(_Request):
             return None
         return self.top_logprobs or 0
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages for the chat template ("developer" is the new name of "system")."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages for the chat template ("developer" is the new name of "system"); an
+        assistant's tool calls and a tool result's call id ride along."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+            }
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None and m.role == "tool":
+                msg["name"] = m.name
+            out.append(msg)
+        return out
 
     def sampling_params(
         self, default_max_tokens: int, defaults: dict[str, Any] | None = None
@@ -307,9 +407,21 @@ class CompletionResponse(_ResponseBase):
     choices: list[CompletionChoice]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -338,9 +450,22 @@ class ChatCompletionResponse(_ResponseBase):
     choices: list[ChatChoice]
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -382,6 +507,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
 
@@ -396,6 +522,9 @@ class TokenizeRequest(BaseModel):
         if self.messages is None:
             return None
         return ChatCompletionRequest(model="", messages=self.messages).template_messages()
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class TokenizeResponse(BaseModel):

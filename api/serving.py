@@ -33,19 +33,24 @@ from api.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCallOut,
     LongSparkInfo,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallOut,
     TopLogprob,
     Usage,
     new_id,
     now,
 )
+from services.engine import tools
 from services.engine.async_engine import GenerateRequest
 from services.engine.params import InvalidRequest, SamplingParams
 from services.engine.sequence import OutputLogprob, RequestOutput, SpecStats
@@ -196,9 +201,9 @@ class OpenAIServing:
         self.check_model(req.model)
         params = self.sampling_params(req, self.settings.chat_max_tokens)
         request_id = new_id("chatcmpl")
-        messages = req.template_messages()
+        messages, tool_list = req.template_messages(), req.tool_dicts()
         greqs = [
-            GenerateRequest(p, messages=messages, request_id=f"{request_id}-{i}")
+            GenerateRequest(p, messages=messages, tools=tool_list, request_id=f"{request_id}-{i}")
             for i, p in enumerate(_choice_params(params, req.num_choices))
         ]
         streams = await self._start(greqs)
@@ -206,6 +211,7 @@ class OpenAIServing:
         if req.stream:
             return self._stream(request_id, streams, choices, req, chat=True)
         finals = await self._collect(streams, choices)
+        answers = [_ToolOutput(req).parse(text) for text in choices.text]
         return ChatCompletionResponse(
             id=request_id,
             created=now(),
@@ -213,13 +219,22 @@ class OpenAIServing:
             choices=[
                 ChatChoice(
                     index=i,
-                    message=ChatMessageOut(content=choices.text[i]),
+                    message=ChatMessageOut(
+                        content=content,
+                        tool_calls=[
+                            ToolCallOut(
+                                id=c.id,
+                                function=FunctionCallOut(name=c.name, arguments=c.arguments),
+                            )
+                            for c in calls
+                        ],
+                    ),
                     logprobs=_chat_logprobs(choices.logprobs[i])
                     if params.logprobs is not None
                     else None,
-                    finish_reason=_finish_reason(f.finish_reason),
+                    finish_reason=_ToolOutput(req).finish_reason(f.finish_reason, bool(calls)),
                 )
-                for i, f in enumerate(finals)
+                for i, (f, (content, calls)) in enumerate(zip(finals, answers, strict=True))
             ],
             usage=choices.usage(finals),
             longspark=self.info(finals[0], bool(req.return_token_ids)),
@@ -228,7 +243,9 @@ class OpenAIServing:
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model or self.settings.model_name)
         messages = req.template_messages()
-        greq = GenerateRequest(SamplingParams(), prompt=req.prompt, messages=messages)
+        greq = GenerateRequest(
+            SamplingParams(), prompt=req.prompt, messages=messages, tools=req.tool_dicts()
+        )
         ids = await self.client.tokenize(greq, req.add_special_tokens is not False)
         info = await self.client.model_info()
         return TokenizeResponse(count=len(ids), max_model_len=info.get("max_model_len"), tokens=ids)
@@ -288,7 +305,7 @@ class OpenAIServing:
 
         def event(
             index: int,
-            text: str | None,
+            text: str | DeltaMessage | None,
             reason: str | None = None,
             out: RequestOutput | None = None,
             logprobs: list[OutputLogprob] | None = None,
@@ -296,7 +313,8 @@ class OpenAIServing:
         ) -> str:
             extras = self.info(out, bool(req.return_token_ids)) if out is not None else None
             if chat:
-                delta = DeltaMessage(content=text) if text is not None else DeltaMessage()
+                assert not isinstance(text, str)
+                delta = text or DeltaMessage()
                 choice = ChatStreamChoice(
                     index=index,
                     delta=delta,
@@ -307,6 +325,7 @@ class OpenAIServing:
                     id=request_id, created=created, model=model, choices=[choice], longspark=extras
                 )
             else:
+                assert not isinstance(text, DeltaMessage)
                 choice = CompletionChoice(
                     index=index,
                     text=text or "",
@@ -321,6 +340,7 @@ class OpenAIServing:
             return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
         finals: list[RequestOutput | None] = [None] * len(streams)
+        tool_outputs = [_ToolOutput(req) for _ in streams] if chat else []
         try:
             for index in range(len(streams)):
                 if chat:
@@ -336,6 +356,15 @@ class OpenAIServing:
             async for index, out in _merged(streams):
                 offset = choices.offset(index)
                 choices.add(index, out)
+                if chat:
+                    if out.finished:
+                        finals[index] = out
+                    last = out if out.finished and len(streams) == 1 else None
+                    lp = out.new_logprobs if want_logprobs else None
+                    for delta, reason in tool_outputs[index].deltas(out, bool(lp)):
+                        yield event(index, delta, reason, last if reason else None, lp)
+                        lp = None
+                    continue
                 if out.finished:
                     finals[index] = out
                     reason = _finish_reason(out.finish_reason)
@@ -369,6 +398,74 @@ def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     if n == 1 or params.seed is None:
         return [params] * n
     return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+
+class _ToolOutput:
+    """One chat choice's text as OpenAI returns it under the request's ``tool_choice``:
+    plain content (none), text and Hermes calls (auto), the array of calls the grammar
+    held it to (required), or one function's arguments (named); whole or as stream deltas."""
+
+    def __init__(self, req: ChatCompletionRequest) -> None:
+        self.mode = req.tool_mode if req.tools else "none"
+        self.name = req.named_tool()["function"]["name"] if self.mode == "named" else ""
+        self._hermes = tools.HermesStream()
+        self._text = ""  # required: the array so far
+        self._calls = 0  # calls streamed so far
+        self._named_id = ""
+
+    def parse(self, text: str) -> tuple[str | None, list[tools.ToolCall]]:
+        if self.mode == "auto":
+            return tools.parse_hermes(text)
+        if self.mode == "required":
+            return None, tools.parse_required(text)
+        if self.mode == "named":
+            return None, [tools.ToolCall(self.name, text)]
+        return text, []
+
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """``tool_calls`` when the model chose to call (auto, required); a named call
+        finishes with ``stop``, as OpenAI's does."""
+        reason = _finish_reason(reason)
+        if called and reason == "stop" and self.mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+    def deltas(self, out: RequestOutput, carry: bool) -> list[tuple[DeltaMessage, str | None]]:
+        """The chunks for one engine delta, each with its finish reason (set on the last
+        chunk of a finished choice); ``carry``: send a chunk even if empty (logprobs)."""
+        text, parts = out.new_text, []
+        if self.mode == "none":
+            parts = [DeltaMessage(content=text)] if text else []
+        elif self.mode == "auto":
+            items = self._hermes.feed(text) if text else []
+            parts = [
+                self._piece(i) for i in items + (self._hermes.finish() if out.finished else [])
+            ]
+        elif self.mode == "named":
+            if text or (out.finished and not self._named_id):
+                call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
+                if not self._named_id:  # the first chunk names the call
+                    self._named_id = tools.ToolCall(self.name, "").id
+                    call.id, call.type, call.function.name = self._named_id, "function", self.name
+                parts = [DeltaMessage(tool_calls=[call])]
+        else:  # required: the array is parsed whole when it is complete
+            self._text += text
+            if out.finished:
+                parts = [self._piece(c) for c in tools.parse_required(self._text)]
+        if not out.finished:
+            return [(p, None) for p in parts or ([DeltaMessage()] if carry else [])]
+        parts = parts or [DeltaMessage()]
+        reason = self.finish_reason(out.finish_reason, self._calls > 0)
+        return [(p, None) for p in parts[:-1]] + [(parts[-1], reason)]
+
+    def _piece(self, item: str | tools.ToolCall) -> DeltaMessage:
+        if isinstance(item, str):
+            return DeltaMessage(content=item)
+        index, self._calls = self._calls, self._calls + 1
+        function = DeltaFunctionCall(name=item.name, arguments=item.arguments)
+        return DeltaMessage(
+            tool_calls=[DeltaToolCall(index=index, id=item.id, type="function", function=function)]
+        )
 
 
 class _Choices:

@@ -87,6 +87,7 @@ class GenerateRequest:
     params: SamplingParams
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # for the chat template (OpenAI's shape)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival_time: float = field(default_factory=time.time)  # wall clock: queue time-out
 
@@ -98,7 +99,7 @@ class GenerateRequest:
 def encode_request(tok: Tokenizer, req: GenerateRequest) -> list[int]:
     """Prompt token ids: the chat template for messages, plain encoding for text."""
     if req.messages is not None:
-        return tok.encode_chat(req.messages)
+        return tok.encode_chat(req.messages, req.tools)
     if isinstance(req.prompt, str):
         return tok.encode(req.prompt)
     return list(req.prompt)

@@ -25,7 +25,7 @@ def from_response_format(response_format: dict[str, Any] | None) -> str | None:
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        return _json_grammar({"type": "object"}, "response_format")
+        return json_grammar({"type": "object"}, "response_format")
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -34,7 +34,7 @@ def from_response_format(response_format: dict[str, Any] | None) -> str | None:
                 "response_format json_schema needs json_schema.schema, an object",
                 "response_format",
             )
-        return _json_grammar(schema, "response_format")
+        return json_grammar(schema, "response_format")
     raise InvalidRequest(
         f"response_format type {kind!r} is not one of text, json_object, json_schema",
         "response_format",
@@ -69,7 +69,7 @@ def from_structured_outputs(spec: dict[str, Any] | None) -> str | None:
                 ) from None
         if not isinstance(value, dict):
             raise InvalidRequest("structured_outputs.json must be a schema", "structured_outputs")
-        return _json_grammar(value, "structured_outputs")
+        return json_grammar(value, "structured_outputs")
     if kind == "regex":
         _need_str(value, "regex")
         return LLMatcher.grammar_from_regex(value)
@@ -83,9 +83,16 @@ def from_structured_outputs(spec: dict[str, Any] | None) -> str | None:
     return LLMatcher.grammar_from_lark(value)
 
 
-def _json_grammar(schema: dict[str, Any], field: str) -> str:
+COMPACT_JSON = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+def json_grammar(schema: dict[str, Any], field: str, compact: bool = False) -> str:
+    """A JSON schema as a grammar; ``compact``: whitespace only as ``json.dumps`` writes
+    it (tool calls: a model cannot pad the arguments out to ``max_tokens``)."""
     from llguidance import LLMatcher
 
+    if compact:
+        schema = {**schema, "x-guidance": COMPACT_JSON}
     try:
         return LLMatcher.grammar_from_json_schema(schema)
     except ValueError as exc:

@@ -225,3 +225,45 @@ def test_json_schema_output_validates_in_spec_mode(server):
         )
         assert isinstance(value["tags"], list) and len(value["tags"]) <= 3
         assert out.model_extra["longspark"]["num_drafts"] > 0  # drafted and verified
+
+
+def test_tool_call_round_trip(server, plain):
+    """The model is held to a call (required), streamed and whole alike; the call and the
+    tool's result go back in and the answer is text; greedy, so spec equals plain."""
+    import json
+
+    from services.engine.params import SamplingParams
+    from tests.unit.test_tools import ASK, CLOCK, WEATHER, _streamed_calls
+
+    c = client(server)
+    asked = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], temperature=0, max_tokens=80)
+    first = c.chat.completions.create(tool_choice="required", **asked)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls  # one call: the question asks one thing
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
+    streamed = list(c.chat.completions.create(tool_choice="required", stream=True, **asked))
+    _, calls, reasons = _streamed_calls(streamed)
+    assert reasons == ["tool_calls"]
+    assert [(v["name"], v["arguments"]) for v in calls.values()] == [
+        (call.function.name, call.function.arguments)
+    ]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
+    ]
+    answer = c.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], temperature=0, max_tokens=30
+    )
+    text = answer.choices[0].message.content
+    assert text and not answer.choices[0].message.tool_calls
+    from services.engine import tools
+
+    folded = tools.fold_into_messages(
+        [{**m, "content": m["content"] or ""} for m in history], [WEATHER]
+    )
+    ids = plain.tok.encode_chat(folded)
+    want = plain.generate([ids], SamplingParams(max_tokens=30, temperature=0))[0]
+    assert text == plain.tok.decode(want.token_ids)

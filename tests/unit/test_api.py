@@ -223,7 +223,7 @@ def test_chat_errors(engine):
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
             400,
-            "tools",
+            "tools.0.type",
         ),
         (
             {
