@@ -67,6 +67,9 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
     # vLLM's extensions
     min_p: float | None = None
+    prompt_logprobs: int | None = Field(
+        None, description="the prompt tokens' log-probabilities, and this many alternatives"
+    )
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
@@ -101,6 +104,10 @@ class _Request(BaseModel):
     def num_logprobs(self) -> int | None:
         """Top log-probabilities asked per token: None = none (see the endpoint's field)."""
         return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The same per prompt token (vLLM's ``prompt_logprobs``)."""
+        return self.prompt_logprobs
 
     def ignored_fields(self) -> list[str]:
         """Fields OpenAI does not define for this endpoint (ignored, reported in a header)."""
@@ -152,6 +159,7 @@ class _Request(BaseModel):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
             logprobs=self.num_logprobs(),
+            prompt_logprobs=self.num_prompt_logprobs(),
             grammar=grammar,
             grammar_field=grammar_field,
         )
@@ -190,6 +198,12 @@ class CompletionRequest(_Request):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs``: the echoed prompt's tokens carry them too."""
+        if not self.echo or self.logprobs is None:
+            return self.prompt_logprobs
+        return max(self.logprobs, self.prompt_logprobs or 0)
 
 
 class ContentPart(BaseModel):
@@ -390,9 +404,20 @@ class CompletionLogprobs(BaseModel):
     choice's text, log-probability, and the most likely tokens there (the chosen one too)."""
 
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: no context
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry: one token's log-probability at a prompt place."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token; None for the first
 
 
 class CompletionChoice(BaseModel):
@@ -400,6 +425,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_ResponseBase):
@@ -448,6 +474,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(_ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = None  # the (shared) prompt's, as vLLM puts it
 
 
 class DeltaFunctionCall(BaseModel):

@@ -42,6 +42,7 @@ from api.protocol import (
     LongSparkInfo,
     ModelCard,
     ModelList,
+    PromptLogprob,
     TokenizeRequest,
     TokenizeResponse,
     ToolCallOut,
@@ -159,8 +160,6 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
         params = self.sampling_params(req, self.settings.completion_max_tokens)
-        if req.echo and params.logprobs is not None:
-            raise InvalidRequest("echo with logprobs (prompt logprobs) is not supported", "echo")
         request_id = new_id("cmpl")
         prompts = req.prompts()
         greqs = [
@@ -186,10 +185,16 @@ class OpenAIServing:
                 CompletionChoice(
                     index=i,
                     text=choices.text[i],
-                    logprobs=_completion_logprobs(choices.logprobs[i], len(echoes[i]))
+                    logprobs=_completion_logprobs(
+                        (choices.prompt_logprobs[i] if req.echo else []) + choices.logprobs[i],
+                        0 if req.echo else len(echoes[i]),
+                    )
                     if params.logprobs is not None
                     else None,
                     finish_reason=_finish_reason(f.finish_reason),
+                    prompt_logprobs=_prompt_logprobs(choices.prompt_logprobs[i])
+                    if req.prompt_logprobs is not None
+                    else None,
                 )
                 for i, f in enumerate(finals)
             ],
@@ -238,6 +243,9 @@ class OpenAIServing:
             ],
             usage=choices.usage(finals),
             longspark=self.info(finals[0], bool(req.return_token_ids)),
+            prompt_logprobs=_prompt_logprobs(choices.prompt_logprobs[0])
+            if req.prompt_logprobs is not None
+            else None,
         )
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
@@ -352,7 +360,9 @@ class OpenAIServing:
                     )
                     yield f"data: {head.model_dump_json(exclude_none=True)}\n\n"
                 elif choices.echo[index]:
-                    yield event(index, choices.echo[index])
+                    first = streams[index][1]  # its prompt's log-probabilities, if asked
+                    echo_lps = first.prompt_logprobs if want_logprobs else None
+                    yield event(index, choices.echo[index], logprobs=echo_lps, offset=0)
             async for index, out in _merged(streams):
                 offset = choices.offset(index)
                 choices.add(index, out)
@@ -476,10 +486,13 @@ class _Choices:
         self.echo = echo or [""] * len(greqs)
         self.text = list(self.echo)
         self.logprobs: list[list[OutputLogprob]] = [[] for _ in greqs]
+        self.prompt_logprobs: list[list[OutputLogprob]] = [[] for _ in greqs]
         self._chars = [len(e) for e in self.echo]  # characters the tokens so far spell
 
     def add(self, index: int, out: RequestOutput) -> None:
         self.text[index] += out.new_text
+        if out.prompt_logprobs:
+            self.prompt_logprobs[index] = out.prompt_logprobs
         if out.new_logprobs:
             self.logprobs[index].extend(out.new_logprobs)
             self._chars[index] += sum(len(e.token) for e in out.new_logprobs)
@@ -549,9 +562,31 @@ def _completion_logprobs(entries: list[OutputLogprob], offset: int) -> Completio
         offset += len(e.token)
         out.tokens.append(e.token)
         out.token_logprobs.append(e.logprob)
+        if e.logprob is None:  # the prompt's first token: nothing to condition on
+            out.top_logprobs.append(None)
+            continue
         top = {e.token: e.logprob}
         top.update({t: v for t, _, v in e.top if t not in top})
         out.top_logprobs.append(top)
+    return out
+
+
+def _prompt_logprobs(entries: list[OutputLogprob]) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, token id -> its log-probability, rank
+    and text, for the token itself and the most likely ones there."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        place = {
+            str(e.token_id): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=e.token)
+        }
+        for rank, (text, token_id, value) in enumerate(e.top, start=1):
+            place.setdefault(
+                str(token_id), PromptLogprob(logprob=value, rank=rank, decoded_token=text)
+            )
+        out.append(place)
     return out
 
 

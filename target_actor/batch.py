@@ -80,6 +80,7 @@ class SeqSampling:
     min_tokens: int = 0
     stop_ids: tuple[int, ...] = ()  # masked until min_tokens tokens are out (EOS, stop ids)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens, at prefill
     grammar: str | None = None  # llguidance grammar the output must follow
 
     @property
@@ -147,6 +148,7 @@ class TokenLogprobs:
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None  # the token's place in its row (1 = the most likely); prompts
 
 
 @dataclass
@@ -157,3 +159,5 @@ class StepResult:
     num_accepted: list[int]  # per sequence: accepted drafts m (0 for prefill)
     # per sequence, one entry per committed token; None for sequences that asked for none
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    # prefill only: per sequence, one entry per prompt token after the first, if asked
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None

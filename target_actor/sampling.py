@@ -59,14 +59,22 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return out / out.sum(-1, keepdim=True)
 
 
-def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
+def token_logprobs(
+    logprobs: torch.Tensor, tokens: list[int], top: int, rank: bool = False
+) -> list[TokenLogprobs]:
     """Rows ``[>= len(tokens), vocab]`` of log-probabilities -> token ``j``'s entry from row
-    ``j``, with the ``top`` most likely tokens of that row."""
+    ``j``, with the ``top`` most likely tokens of that row (and the token's rank there)."""
     rows = logprobs[: len(tokens)]
-    chosen = rows[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    chosen_t = rows[torch.arange(len(tokens)), torch.tensor(tokens)]
+    chosen = chosen_t.tolist()
     if top:
         best = rows.topk(top, dim=-1)
         ids, values = best.indices.tolist(), best.values.tolist()
     else:
         ids = values = [[] for _ in tokens]
-    return [TokenLogprobs(c, i, v) for c, i, v in zip(chosen, ids, values, strict=True)]
+    ranks: list[int | None] = [None] * len(tokens)
+    if rank:
+        ranks = ((rows > chosen_t[:, None]).sum(-1) + 1).tolist()
+    return [
+        TokenLogprobs(c, i, v, r) for c, i, v, r in zip(chosen, ids, values, ranks, strict=True)
+    ]

@@ -116,6 +116,8 @@ class Verifier:
             else {}
         )
         last_logits: dict[int, torch.Tensor] = {}
+        # prompt log-probabilities: every row of the prompt, read chunk by chunk
+        prompt_lps = {s: [] for s in batch.seq_ids if self.sampling[s].prompt_logprobs is not None}
         while progress:
             # chunks lie on a grid of PREFILL_TOKENS from each prompt's start, whatever it
             # is batched with: the attention over a chunk (SDPA) rounds by the chunk's
@@ -140,7 +142,10 @@ class Verifier:
                     token_ids=torch.tensor([t for c in chunks for t in c]),
                     num_new=[len(c) for c in chunks],
                     start_pos=[progress[s] for s in ids],
-                    num_logits=[int(e) for e in ends],
+                    num_logits=[
+                        len(c) if s in prompt_lps else int(e)
+                        for s, c, e in zip(ids, chunks, ends, strict=True)
+                    ],
                     return_taps=taps,
                 )
             )
@@ -150,16 +155,27 @@ class Verifier:
                     rows = slice(off, off + len(chunk))
                     views[seq_id].add(out.tap_k[:, rows], out.tap_v[:, rows], out.tap_hidden[rows])
                 off += len(chunk)
+                n = len(chunk) if seq_id in prompt_lps else int(end)
+                if seq_id in prompt_lps and self.is_driver:
+                    done, keep = progress[seq_id], n - int(end)  # the last row: the output's
+                    prompt_lps[seq_id] += token_logprobs(
+                        torch.log_softmax(out.logits[row : row + keep].float(), dim=-1),
+                        prompts[seq_id][done + 1 : done + 1 + keep],
+                        self.sampling[seq_id].prompt_logprobs or 0,
+                        rank=True,
+                    )
                 progress[seq_id] += len(chunk)
                 if end:
-                    last_logits[seq_id] = out.logits[row]
-                    row += 1
+                    last_logits[seq_id] = out.logits[row + n - 1]
                     del progress[seq_id]
+                row += n
         if not self.is_driver:
             return None, None
         logits = torch.stack([last_logits[s] for s in batch.seq_ids])  # [n, vocab]
         with self._rewind_on_failure(batch.seq_ids):
             result = self._sample(batch.seq_ids, logits, None, [0] * len(batch.seq_ids))
+        if prompt_lps:
+            result.prompt_logprobs = [prompt_lps.get(s) for s in batch.seq_ids]
         self._record(batch.seq_ids, result)
         if not taps:
             return result, None

@@ -147,6 +147,7 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         new_token_ids=a.new_token_ids + b.new_token_ids,
         new_text=a.new_text + b.new_text,
         new_logprobs=logprobs,
+        prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs,
     )
 
 

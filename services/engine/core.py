@@ -360,6 +360,13 @@ class Engine:
         now = time.monotonic()
         for s in seqs:
             s.first_token_time = now
+        for s, entries in zip(seqs, result.prompt_logprobs or [None] * len(seqs), strict=True):
+            if entries is not None:
+                first = s.prompt_ids[0]
+                s.prompt_logprobs = [
+                    OutputLogprob(self.tok.decode([first], skip_special_tokens=False), first, None),
+                    *self._render_logprobs(s.prompt_ids[1:], entries),
+                ]
         self._commit(seqs, result, [0] * len(seqs), count=False)
 
     def _commit(
@@ -423,6 +430,7 @@ class Engine:
                 t,
                 e.logprob,
                 [(text(i), i, v) for i, v in zip(e.top_ids, e.top_logprobs, strict=True)],
+                e.rank,
             )
             for t, e in zip(tokens, entries, strict=True)
         ]
@@ -443,6 +451,7 @@ class Engine:
             seq.logprobs[seq.emitted_tokens :] if seq.params.logprobs is not None else None
         )
         new_text = text[len(seq.emitted_text) :]
+        prompt_logprobs = seq.prompt_logprobs if seq.emitted_tokens == 0 else None
         seq.emitted_tokens, seq.emitted_text = len(seq.output_ids), text
         if seq.on_output is not None and (new_ids or new_text or final):
             seq.on_output(
@@ -459,6 +468,7 @@ class Engine:
                     seq.error if final else None,
                     new_logprobs,
                     list(seq.logprobs) if final and new_logprobs is not None else None,
+                    prompt_logprobs,
                 )
             )
 

@@ -55,6 +55,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; 0: the chosen token's; N: and the N most likely
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     grammar: str | None = None  # llguidance grammar (services.engine.structured)
     grammar_field: str = "response_format"  # the request field it came from (errors)
 
@@ -102,10 +103,10 @@ class SamplingParams:
             }
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be token ids", "stop_token_ids")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(
-                f"logprobs must lie in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequest(f"{name} must lie in [0, {MAX_LOGPROBS}], got {value}", name)
 
     @property
     def greedy(self) -> bool:
@@ -146,5 +147,6 @@ class SamplingParams:
             min_tokens=self.min_tokens,
             stop_ids=stop_ids if self.min_tokens else (),
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             grammar=self.grammar,
         )

@@ -54,8 +54,9 @@ class OutputLogprob:
 
     token: str
     token_id: int
-    logprob: float
+    logprob: float | None  # None: the prompt's first token (nothing before it)
     top: list[tuple[str, int, float]] = field(default_factory=list)
+    rank: int | None = None  # the token's place in its distribution (prompt tokens)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class RequestOutput:
     error: str | None = None  # set on the final output of a request the engine failed
     new_logprobs: list[OutputLogprob] | None = None  # one per new token, if asked for
     logprobs: list[OutputLogprob] | None = None  # the whole output's, on the final output
+    prompt_logprobs: list[OutputLogprob] | None = None  # on the first output, if asked
 
 
 @dataclass(eq=False)
@@ -87,6 +89,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)  # committed generated tokens
     logprobs: list[OutputLogprob] = field(default_factory=list)  # one per output id, if asked
+    prompt_logprobs: list[OutputLogprob] | None = None  # one per prompt token, if asked
     finish_reason: str | None = None
     error: str | None = None  # why the engine failed this request (finish reason "error")
     stats: SpecStats = field(default_factory=SpecStats)

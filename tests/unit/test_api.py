@@ -148,7 +148,12 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": "x", "n": 0}), 400, "n", None),
     (json.dumps({"model": MODEL, "prompt": "x", "n": 17}), 400, "n", None),
     (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 21}), 400, "logprobs", None),
-    (json.dumps({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}), 400, "echo", None),
+    (
+        json.dumps({"model": MODEL, "prompt": "x", "prompt_logprobs": 21}),
+        400,
+        "prompt_logprobs",
+        None,
+    ),
     (json.dumps({"model": MODEL, "prompt": "x", "best_of": 3}), 400, "best_of", None),
     (json.dumps({"model": MODEL, "prompt": ["a", []]}), 400, "prompt", None),
     (

@@ -167,6 +167,93 @@ def test_echo_puts_the_prompt_first(engine):
     assert by_ids.choices[0].text.startswith("Hello world")
 
 
+@pytest.fixture(scope="module")
+def fp32_engine(tiny_chat):
+    """Spec mode in fp32 weights, so prompt scores can be held to transformers' fp32."""
+    from services.engine.async_engine import AsyncEngine
+    from services.engine.backends import EngineOptions, build_engine
+
+    eng, close = build_engine(
+        EngineOptions(target=str(tiny_chat), drafter="random", k=4, dtype="float32", quant="none")
+    )
+    runner = AsyncEngine(eng)
+    yield runner
+    runner.shutdown()
+    close()
+
+
+def _reference_logprobs(path, ids: list[int]):
+    """transformers' log-softmax at every place of ``ids`` (fp32), the independent check."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_echo_with_logprobs_scores_the_prompt(fp32_engine, tiny_chat, chunk, monkeypatch):
+    """vLLM's echo + logprobs: the prompt's tokens first (the first without a logprob),
+    each scored by the model on what comes before it, streamed and whole alike; also
+    when the prompt is prefilled in chunks (of 4 tokens here)."""
+    if chunk is not None:
+        monkeypatch.setattr("target_actor.verifier.PREFILL_TOKENS", chunk)
+    prompt = "The quick brown fox jumps"
+    ids = fp32_engine.tok.encode(prompt)
+
+    async def go():
+        client = openai_client(make_app(fp32_engine))
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+        whole = await client.completions.create(**kw)
+        stream = [c async for c in await client.completions.create(stream=True, **kw)]
+        return whole, stream
+
+    whole, stream = run(go())
+    lp = whole.choices[0].logprobs
+    assert whole.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = _reference_logprobs(tiny_chat, ids)
+    for j in range(1, len(ids)):
+        assert abs(lp.token_logprobs[j] - ref[j - 1, ids[j]].item()) <= 1e-4
+        assert len(lp.top_logprobs[j]) >= 2  # the token itself and the 2 most likely
+    streamed = [
+        t
+        for c in stream
+        for t in (c.choices[0].logprobs.token_logprobs if c.choices[0].logprobs else [])
+    ]
+    assert streamed == lp.token_logprobs
+
+
+def test_prompt_logprobs_extra(fp32_engine, tiny_chat):
+    """vLLM's ``prompt_logprobs``: per prompt token its id -> logprob, rank, text."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    ids = fp32_engine.tok.encode_chat(messages)
+
+    async def go():
+        async with http(make_app(fp32_engine)) as c:
+            chat = await c.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": messages, "max_tokens": 2, "prompt_logprobs": 1},
+            )
+            cmpl = await c.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": ids, "max_tokens": 2, "prompt_logprobs": 0},
+            )
+            return chat.json(), cmpl.json()
+
+    chat, cmpl = run(go())
+    ref = _reference_logprobs(tiny_chat, ids)
+    for entries in (chat["prompt_logprobs"], cmpl["choices"][0]["prompt_logprobs"]):
+        assert len(entries) == len(ids) and entries[0] is None
+        for j in range(1, len(ids)):
+            mine = entries[j][str(ids[j])]
+            assert abs(mine["logprob"] - ref[j - 1, ids[j]].item()) <= 1e-4
+            assert mine["rank"] == int((ref[j - 1] > ref[j - 1, ids[j]]).sum()) + 1
+    assert all(len(e) <= 2 for e in chat["prompt_logprobs"][1:])  # itself and the top 1
+
+
 def test_penalties_reach_the_sampler(engine, plain):
     """A request's penalties give what the engine gives with the same settings."""
     app = make_app(engine)
