@@ -100,6 +100,14 @@ class KVCache:
             raise ValueError(f"cannot roll sequence {seq_id} forward from {seq.length} to {length}")
         seq.length = length
 
+    def fork(self, src: int, dst: int) -> None:
+        """``dst`` starts as a copy of ``src``'s rows (a prompt shared by n choices)."""
+        length = self.seqs[src].length
+        self.free(dst)
+        self.reserve(dst, length)
+        self.seqs[dst].data[:, :, :, :length] = self.seqs[src].data[:, :, :, :length]
+        self.seqs[dst].length = length
+
     def free(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:

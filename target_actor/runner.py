@@ -126,6 +126,10 @@ class TargetRunner:
             self.cache.set_length(seq_id, start + n)
         return self.model(batch, self.cache)
 
+    def fork(self, src: int, dst: int) -> None:
+        """``dst``'s cache becomes a copy of ``src``'s (same prompt, prefilled once)."""
+        self.cache.fork(src, dst)
+
     def free(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.cache.free(seq_id)

@@ -13,6 +13,7 @@ log-probabilities are read off the raw logits of the rows its tokens were sample
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 
 import torch
@@ -105,8 +106,21 @@ class Verifier:
             if seq_id in self.history or seq_id in self.grammars:
                 self.prompt_lens[seq_id] = len(prompt)
         taps = batch.want_views and self.summary_queries is not None
-        progress = dict.fromkeys(batch.seq_ids, 0)
         prompts = dict(zip(batch.seq_ids, batch.prompts, strict=True))
+        # the same prompt twice in a batch (n choices of one request) runs once; the other
+        # copies are forked from it after the forward (same bits: the chunk grid does not
+        # depend on the batch). Prompt log-probabilities need their own rows.
+        leader_of: dict[tuple[int, ...], int] = {}
+        copies: dict[int, int] = {}
+        for seq_id in batch.seq_ids:
+            if self.sampling[seq_id].prompt_logprobs is not None:
+                continue
+            key = tuple(prompts[seq_id])
+            if key in leader_of:
+                copies[seq_id] = leader_of[key]
+            else:
+                leader_of[key] = seq_id
+        progress = {s: 0 for s in batch.seq_ids if s not in copies}
         views = (
             {
                 s: _ViewBuilder(self.summary_queries, self.window, self.cfg.head_dim)
@@ -115,6 +129,7 @@ class Verifier:
             if taps
             else {}
         )
+        shared = set(copies.values())
         last_logits: dict[int, torch.Tensor] = {}
         # prompt log-probabilities: every row of the prompt, read chunk by chunk
         prompt_lps = {s: [] for s in batch.seq_ids if self.sampling[s].prompt_logprobs is not None}
@@ -169,6 +184,11 @@ class Verifier:
                     last_logits[seq_id] = out.logits[row + n - 1]
                     del progress[seq_id]
                 row += n
+        for seq_id, leader in copies.items():
+            self.runner.fork(leader, seq_id)
+            last_logits[seq_id] = last_logits[leader]
+            if taps:
+                views[seq_id] = views[leader]
         if not self.is_driver:
             return None, None
         logits = torch.stack([last_logits[s] for s in batch.seq_ids])  # [n, vocab]
@@ -179,7 +199,10 @@ class Verifier:
         self._record(batch.seq_ids, result)
         if not taps:
             return result, None
-        return result, [views[s].build(s, self.sampling[s].seed, prompts[s]) for s in batch.seq_ids]
+        return result, [
+            _own(views[s].build(s, self.sampling[s].seed, prompts[s]), s in shared or s in copies)
+            for s in batch.seq_ids
+        ]
 
     # -- verify -------------------------------------------------------------------
     @torch.inference_mode()
@@ -337,3 +360,16 @@ class Verifier:
 
     def kv_stats(self) -> dict[str, int]:
         return self.runner.kv_stats()
+
+
+def _own(views: PrefillViews, shared: bool) -> PrefillViews:
+    """Views of a prompt that several sequences share, given each its own tensors."""
+    if not shared:
+        return views
+    return dataclasses.replace(
+        views,
+        window_k=views.window_k.clone(),
+        window_v=views.window_v.clone(),
+        summary_m=views.summary_m.clone(),
+        summary_lam=views.summary_lam.clone(),
+    )

@@ -20,21 +20,16 @@ def test_n_seeded_choices_differ_and_repeat(engine):
 
     async def go():
         client = openai_client(app)
-        return [
-            await client.completions.create(
-                model=MODEL,
-                prompt="The quick",
-                max_tokens=8,
-                n=3,
-                seed=7,
-                temperature=1.0,
-                extra_body={"ignore_eos": True},
-            )
-            for _ in range(2)
-        ]
+        asked = dict(model=MODEL, prompt="The quick", max_tokens=8, temperature=1.0)
+        asked["extra_body"] = {"ignore_eos": True}
+        together = [await client.completions.create(n=3, seed=7, **asked) for _ in range(2)]
+        alone = [await client.completions.create(seed=7 + i, **asked) for i in range(3)]
+        return together, alone
 
-    first, again = run(go())
+    (first, again), alone = run(go())
     texts = [c.text for c in first.choices]
+    # one prefill forked three ways answers as three requests of seeds 7, 8, 9 do
+    assert [a.choices[0].text for a in alone] == texts
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert len(set(texts)) == 3  # each choice its own random stream (seed + index)
     assert [c.text for c in again.choices] == texts  # and the request is reproducible
