@@ -2,15 +2,17 @@
 
 It sends ``requests`` requests at ``concurrency`` at once, mixing completions and chat,
 streaming and not, greedy and sampled; a fraction of the clients disconnect at a random
-point, and (with ``kill_drafter``) the drafter's process is SIGKILLed once, a third of
-the way in. It stops by itself: no new request after ``time_limit_s``, and every request
-has its own time-out.
+point, and faults are injected as the run goes (``faults``, each once, spread over the
+run): a SIGKILL of the drafter (decoding goes on plainly), of a target rank (the
+replica's requests get 503 ``replica_unavailable`` and Serve replaces the replica), and
+of the engine replica itself (Serve restarts it). It stops by itself: no new request
+after ``time_limit_s``, and every request has its own time-out.
 
 Every request must end in exactly one of: completed (a greedy one token-identical to
 plain decoding, computed here with the same target), a deliberate disconnect, or a clear
 error (OpenAI error JSON, or an ``error`` event in the stream). At the end the server's
 ``/debug/engine`` must show nothing running or waiting, no KV blocks and no drafter
-states. :func:`run` returns the counts; ``passed`` says whether all of that held.
+states (after a replica fault, on the replica that replaced it). :func:`run` returns the counts; ``passed`` says whether all of that held.
 """
 
 from __future__ import annotations
@@ -49,10 +51,18 @@ class LoadTestConfig:
     max_tokens: int = 32
     disconnect_fraction: float = 0.15
     sampled_fraction: float = 0.3
-    kill_drafter: bool = True  # SIGKILL the drafter process once (the server is local)
+    faults: tuple[str, ...] = (
+        "drafter",
+        "rank",
+        "replica",
+    )  # of FAULTS, each SIGKILLed once (a local server)
     target: str | None = None  # the served target, for the plain-decoding reference
     api_key: str | None = None
     seed: int = 0
+
+
+# fault -> the /debug/engine field with its process id
+FAULTS = {"drafter": "drafter_pid", "rank": "target_pids", "replica": "replica_pid"}
 
 
 @dataclass
@@ -71,8 +81,9 @@ class LoadTestReport:
     outcomes: dict[str, int] = field(default_factory=dict)  # ok / disconnected / error:... / bad
     greedy_checked: int = 0
     greedy_mismatches: int = 0
-    drafter_killed: bool = False
+    faults: dict[str, int] = field(default_factory=dict)  # fault -> pid killed (0: none found)
     leaked: dict[str, Any] = field(default_factory=dict)  # /debug/engine fields not idle
+    object_store: dict[str, Any] = field(default_factory=dict)  # before / after the load
     elapsed_s: float = 0.0
     problems: list[str] = field(default_factory=list)  # the first few, for the report
 
@@ -184,20 +195,53 @@ def _error(status: int, text: str) -> str:
     return f"error:{status or 'stream'}:{err.get('code')}"
 
 
-async def _kill_drafter(c: httpx.AsyncClient) -> bool:
-    stats = (await c.get("/debug/engine")).json()
-    pid = stats.get("drafter_pid")
-    if not pid:
-        return False
-    os.kill(pid, signal.SIGKILL)
-    return True
-
-
-async def _wait_idle(c: httpx.AsyncClient, timeout_s: float = 60.0) -> dict[str, Any]:
-    """The engine fields that are not at their idle value (empty: nothing leaked)."""
+async def _inject(c: httpx.AsyncClient, fault: str, timeout_s: float = 120.0) -> int:
+    """SIGKILL the fault's process (read from ``/debug/engine``, asked until a replica
+    answers: one may be starting after an earlier fault); its pid, or 0 if it has none."""
     deadline = time.monotonic() + timeout_s
     while True:
-        s = (await c.get("/debug/engine")).json()
+        try:
+            r = await c.get("/debug/engine")
+            if r.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            return 0
+        await asyncio.sleep(0.5)
+    pid = r.json().get(FAULTS[fault])
+    pid = pid[0] if isinstance(pid, list) else pid
+    if not pid:
+        return 0
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+OBJECT_STORE_SLACK = 1 << 20  # bytes Serve's own bookkeeping may hold more at the end
+
+
+async def _store(c: httpx.AsyncClient) -> dict[str, int] | None:
+    r = await c.get("/debug/engine")
+    return r.json().get("object_store") if r.status_code == 200 else None
+
+
+async def _wait_idle(
+    c: httpx.AsyncClient, store0: dict[str, int] | None, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """The engine fields that are not at their idle value, and object-store bytes over
+    what the store held before the load (empty: nothing leaked)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = await c.get("/debug/engine")
+            s = r.json() if r.status_code == 200 else None
+        except httpx.HTTPError:
+            s = None
+        if s is None:  # a replica still starting after a fault
+            if time.monotonic() > deadline:
+                return {"debug_engine": "no replica answered"}
+            await asyncio.sleep(0.5)
+            continue
         leaked = {
             "num_running": s["num_running"],
             "num_waiting": s["num_waiting"],
@@ -206,6 +250,9 @@ async def _wait_idle(c: httpx.AsyncClient, timeout_s: float = 60.0) -> dict[str,
             "drafter_states": s.get("drafter_states") or 0,
             "drafter_restarting": bool(s.get("drafter_restarting")),
         }
+        store = s.get("object_store")
+        if store0 and store and store["bytes_used"] > store0["bytes_used"] + OBJECT_STORE_SLACK:
+            leaked["object_store_bytes"] = store["bytes_used"] - store0["bytes_used"]
         leaked = {k: v for k, v in leaked.items() if v}
         if not leaked or time.monotonic() > deadline:
             return leaked
@@ -222,7 +269,13 @@ async def run_async(cfg: LoadTestConfig, ref: dict[tuple[bool, str], list[int]])
         base_url=cfg.url, headers=headers, limits=limits, timeout=cfg.request_timeout_s
     ) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
+        store0 = await _store(c)
         gate, done = asyncio.Semaphore(cfg.concurrency), 0
+        unknown = set(cfg.faults) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS)}")
+        # fault i of n once done passes (i + 1) / (n + 1) of the requests
+        due = {f: len(jobs) * (i + 1) // (len(cfg.faults) + 1) for i, f in enumerate(cfg.faults)}
 
         async def worker(job: Job) -> None:
             nonlocal done
@@ -246,12 +299,14 @@ async def run_async(cfg: LoadTestConfig, ref: dict[tuple[bool, str], list[int]])
                         report.greedy_mismatches += 1
                         report.problems.append(f"#{job.index}: greedy output differs")
                 done += 1
-                if cfg.kill_drafter and not report.drafter_killed and done >= len(jobs) // 3:
-                    report.drafter_killed = True  # once, even if there is no drafter
-                    report.drafter_killed = await _kill_drafter(c)
+                for fault, at in due.items():
+                    if fault not in report.faults and done >= at:
+                        report.faults[fault] = 0  # once, even if it has no process
+                        report.faults[fault] = await _inject(c, fault)
 
         await asyncio.gather(*(worker(job) for job in jobs))
-        report.leaked = await _wait_idle(c)
+        report.leaked = await _wait_idle(c, store0)
+        report.object_store = {"before": store0, "after": await _store(c)}
     report.outcomes = dict(sorted(outcomes.items()))
     report.problems = report.problems[:10]
     report.elapsed_s = round(time.monotonic() - t0, 1)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from services.bench.loadtest import LoadTestConfig
+from services.bench.loadtest import FAULTS, LoadTestConfig
 from services.bench.loadtest import run as run_loadtest
 from services.cli.types import positive_int
 
@@ -23,7 +23,12 @@ def add_parser(sub) -> None:
     p.add_argument("--time-limit", type=float, default=d.time_limit_s, help="seconds")
     p.add_argument("--max-tokens", type=positive_int, default=d.max_tokens)
     p.add_argument("--disconnect-fraction", type=float, default=d.disconnect_fraction)
-    p.add_argument("--no-kill-drafter", action="store_true", help="leave the drafter alone")
+    p.add_argument(
+        "--faults",
+        default=",".join(d.faults),
+        help=f"comma-separated processes to SIGKILL once each, spread over the run: "
+        f"{', '.join(FAULTS)} (default: %(default)s; '' for none)",
+    )
     p.add_argument("--target", default=None, help="the served target (default: SmolLM2)")
     p.add_argument("--api-key", default=os.environ.get("LONGSPARK_API_KEY"))
     p.add_argument("--seed", type=int, default=d.seed)
@@ -41,7 +46,7 @@ def run(args: argparse.Namespace) -> None:
         time_limit_s=args.time_limit,
         max_tokens=args.max_tokens,
         disconnect_fraction=args.disconnect_fraction,
-        kill_drafter=not args.no_kill_drafter,
+        faults=tuple(f for f in args.faults.split(",") if f),
         target=args.target,
         api_key=args.api_key,
         seed=args.seed,

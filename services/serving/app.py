@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -58,6 +59,23 @@ INGRESS_DEPLOYMENT = "OpenAIIngress"
 def _slim(out: RequestOutput) -> RequestOutput:
     """Deltas cross the wire without the whole-output-so-far copies (kept on the last)."""
     return out if out.finished else dataclasses.replace(out, text="", token_ids=[])
+
+
+def _object_store() -> dict[str, int] | None:
+    """Bytes and objects in Ray's object store (asked of the raylet), or None."""
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    try:
+        state = get_state_from_address(ray.get_runtime_context().gcs_address)
+        stats = get_memory_info_reply(state, timeout_seconds=5.0).store_stats
+    except Exception:  # noqa: BLE001 - a debug figure must never fail the endpoint
+        log.debug("object store stats unavailable", exc_info=True)
+        return None
+    return {
+        "bytes_used": int(stats.object_store_bytes_used),
+        "objects": int(stats.num_local_objects),
+    }
 
 
 class EngineReplica:
@@ -111,8 +129,11 @@ class EngineReplica:
         return await self.engine.admit(requests)
 
     async def stats(self) -> dict[str, Any]:
-        """The engine's accounting (for /debug/engine and tests)."""
-        return await self.engine.stats()
+        """The engine's accounting (for /debug/engine and tests), and the node's object
+        store (the load test checks it returns to idle)."""
+        out = await self.engine.stats()
+        out["object_store"] = await asyncio.to_thread(_object_store)
+        return out
 
     async def health(self) -> None:
         self.engine.check_health()
@@ -140,6 +161,7 @@ class EngineReplica:
     def _replica_stats(self) -> dict[str, Any]:  # runs on the engine thread
         out: dict[str, Any] = {
             "replica": serve.get_replica_context().replica_tag,
+            "replica_pid": os.getpid(),
             "admissions": dict(self.admissions),
         }
         target = self.engine.engine.target
