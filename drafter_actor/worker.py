@@ -160,6 +160,9 @@ class RayDrafter:
     waits for its proposal, never beside a forward pass. On a host with as many cores as
     the target has threads, a drafter running beside the target's forward stalls each of
     its OpenMP barriers.
+
+    The actor is made with Ray's task events off: each call would otherwise leave ~3 KB
+    in the GCS (for the dashboard's task list), and a round makes one or two calls.
     """
 
     FLUSH_AT = 256  # round updates held at most before they go on their own
@@ -184,6 +187,7 @@ class RayDrafter:
             num_gpus=num_gpus,
             scheduling_strategy=scheduling_strategy,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+            enable_task_events=False,  # Ray's task events grow the GCS per call
         ).remote(DrafterSpec(target_path, drafter_path, **spec))
         self.cfg: DrafterConfig = ray.get(self.actor.config.remote())
         self.k = spec.get("k") or self.cfg.block_size

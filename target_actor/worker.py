@@ -108,6 +108,7 @@ class TargetGroup:
                     placement_group=pg, placement_group_bundle_index=first_bundle + rank
                 ),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": threads}},
+                enable_task_events=False,  # Ray's task events grow the GCS per call
             ).remote(rank, tp)
             for rank in range(tp)
         ]

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from services.cli import bench, data, evaluate, generate, loadtest, model, serve, train
+from services.cli import bench, data, evaluate, generate, loadtest, model, serve, soak, train
 from services.cli.types import Parser
 from services.engine.errors import user_error_message
 
@@ -21,6 +21,7 @@ VERBS = {
     "generate": generate,
     "serve": serve,
     "loadtest": loadtest,
+    "soak": soak,
     "data": data,
     "train": train,
     "eval": evaluate,

@@ -20,6 +20,10 @@ from services.engine.backends import EngineOptions
 log = logging.getLogger("longspark.serve")
 
 API_KEY_ENV = "LONGSPARK_API_KEY"
+# Ray settings for the Ray this project starts. The GCS keeps ~3 KB of task events per
+# actor call for the dashboard's task list, up to this many tasks (Ray's default, 100k,
+# is ~300 MB of GCS memory on a long-running service); the per-round actors turn theirs off.
+RAY_SYSTEM_CONFIG = {"task_events_max_num_task_in_gcs": 10_000}
 API_KEY_FILE_ENV = "LONGSPARK_API_KEY_FILE"
 
 

@@ -90,7 +90,7 @@ def run_server(args: argparse.Namespace) -> None:
 
     from api import proxy_guard
     from services.serving.app import build_app
-    from services.serving.config import ServeArgs
+    from services.serving.config import RAY_SYSTEM_CONFIG, ServeArgs
     from services.serving.drain import create_signal
 
     app_args, host, port = settings_from(args)
@@ -121,6 +121,7 @@ def run_server(args: argparse.Namespace) -> None:
         dashboard_host="127.0.0.1",
         dashboard_port=DASHBOARD_PORT,
         namespace="serve",
+        _system_config=RAY_SYSTEM_CONFIG,
     )
     stop, force = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: (force if stop.is_set() else stop).set())

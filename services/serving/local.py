@@ -44,6 +44,7 @@ class LocalService:
         from ray import serve
 
         from api import proxy_guard
+        from services.serving.config import RAY_SYSTEM_CONFIG
 
         if ray.is_initialized():
             raise RuntimeError(
@@ -56,7 +57,10 @@ class LocalService:
             log_to_driver=False,
             configure_logging=False,
             _metrics_export_port=self.metrics_port,
-            _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
+            _system_config={
+                **RAY_SYSTEM_CONFIG,
+                "metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS,
+            },
         )
         self._started = True
         serve.start(

@@ -511,3 +511,33 @@ def test_loadtest_plan_is_bounded_and_mixed():
     for attr in ("chat", "stream", "greedy"):
         assert 0 < sum(getattr(j, attr) for j in jobs) < 300
     assert 20 < sum(j.disconnect_after is not None for j in jobs) < 120
+
+
+# -- the soak's own guard rails and judgement -------------------------------------------
+def test_soak_only_targets_loopback_and_needs_time_after_warmup(capsys):
+    from services.cli.main import main
+
+    assert main(["soak", "--url", "http://10.1.2.3:8000", "--duration", "5"]) == 2
+    assert "loopback" in capsys.readouterr().err
+    assert main(["soak", "--duration", "5", "--warmup", "5"]) == 2
+    assert "--warmup" in capsys.readouterr().err
+
+
+def test_soak_judges_growth_after_warmup_only():
+    from services.bench.soak import SoakReport, rss_growth
+
+    samples = [
+        {"t_s": 10, "rss": {"a[1]": 50, "b[2]": 100}},  # warm-up: not judged
+        {"t_s": 20, "rss": {"a[1]": 100, "b[2]": 100, "pooled[3]": 7}},
+        {"t_s": 30, "rss": {"a[1]": 104, "b[2]": 120}},  # pooled[3] ended: not judged
+    ]
+    growth = rss_growth(samples, warmup_s=15)
+    assert growth == {"a[1]": 0.04, "b[2]": 0.2}
+    assert rss_growth(samples[:2], warmup_s=15) == {}  # one sample judges nothing
+
+    ok = SoakReport(requests=10, rss_growth={"a[1]": 0.04}, max_growth=0.05)
+    assert ok.passed
+    assert not SoakReport(requests=10, rss_growth={"b[2]": 0.2}, max_growth=0.05).passed
+    assert not SoakReport(requests=10, failed=1, max_growth=0.05).passed
+    assert not SoakReport(requests=0, max_growth=0.05).passed
+    assert not SoakReport(requests=10, object_store_growth=10 * 2**20).passed
