@@ -6,11 +6,10 @@ import argparse
 import json
 import os
 from pathlib import Path
-from urllib.parse import urlparse
 
 from services.bench.loadtest import FAULTS, LoadTestConfig
 from services.bench.loadtest import run as run_loadtest
-from services.cli.types import positive_int
+from services.cli.types import positive_int, require_loopback
 
 
 def add_parser(sub) -> None:
@@ -36,9 +35,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    host = urlparse(args.url).hostname or ""
-    if host not in ("localhost", "::1") and not host.startswith("127."):
-        raise ValueError(f"the load test only targets loopback addresses, not {host!r}")
+    require_loopback(args.url, "the load test")
     cfg = LoadTestConfig(
         url=args.url,
         requests=args.requests,

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from urllib.parse import urlparse
 
 from services.bench.soak import SoakConfig, write
 from services.bench.soak import run as run_soak
-from services.cli.types import positive_int
+from services.cli.types import positive_int, require_loopback
 
 
 def add_parser(sub) -> None:
@@ -30,9 +29,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    host = urlparse(args.url).hostname or ""
-    if host not in ("localhost", "::1") and not host.startswith("127."):
-        raise ValueError(f"the soak only targets loopback addresses, not {host!r}")
+    require_loopback(args.url, "the soak")
     if args.warmup >= args.duration:
         raise ValueError("--warmup must be shorter than --duration")
     cfg = SoakConfig(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any
+from urllib.parse import urlparse
 
 
 class Parser(argparse.ArgumentParser):
@@ -41,3 +42,10 @@ def key_value(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+def require_loopback(url: str, what: str) -> None:
+    """Load generators aim at this machine only: refuse any other host, naming ``what``."""
+    host = urlparse(url).hostname or ""
+    if host not in ("localhost", "::1") and not host.startswith("127."):
+        raise ValueError(f"{what} only targets loopback addresses, not {host!r}")
