@@ -14,6 +14,8 @@ class ForwardBatch:
     ``start_pos[i]`` is also the length the sequence's KV cache is rolled back to before
     the forward (so a verify round's rejected rows vanish without a call of their own);
     a sequence the cache has not seen is created (``start_pos`` must then be 0).
+    ``capacity[i]``, when given, is the rows the engine's scheduler granted the sequence:
+    its cache is allocated to exactly that (None: the cache grows on its own).
     """
 
     seq_ids: list[int]
@@ -22,6 +24,7 @@ class ForwardBatch:
     start_pos: list[int]  # per sequence, position of its first new token
     num_logits: list[int]  # per sequence: logits for its last num_logits[i] new tokens
     return_taps: bool = False
+    capacity: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.seq_ids)
@@ -35,6 +38,8 @@ class ForwardBatch:
             raise ValueError("num_logits[i] must lie in 0..num_new[i]")
         if len(set(self.seq_ids)) != n:
             raise ValueError("a sequence may appear only once per batch")
+        if self.capacity is not None and len(self.capacity) != n:
+            raise ValueError("capacity must have one entry per sequence")
 
     @classmethod
     def single(
@@ -114,6 +119,20 @@ class PrefillBatch:
     prompts: list[list[int]]
     sampling: list[SeqSampling]
     want_views: bool = True  # build the drafter's PrefillViews (spec mode)
+    capacity: list[int] | None = None  # KV rows granted per sequence (ForwardBatch)
+
+
+@dataclass
+class ResumeBatch:
+    """Preempted sequences coming back: rebuild each one's KV cache for ``tokens`` (its
+    prompt, then every output token but the last, the next round's anchor) without
+    sampling anything; its sampling state stayed on the ranks."""
+
+    seq_ids: list[int]
+    tokens: list[list[int]]
+    prompt_lens: list[int]
+    capacity: list[int]
+    want_views: bool = True  # rebuild the drafter's views from this context (spec mode)
 
 
 @dataclass
@@ -128,6 +147,7 @@ class VerifyBatch:
     positions: list[int]  # == committed length of the target cache
     num_draft: list[int]  # drafts verified per sequence (<= the proposal's k)
     want_updates: bool = True  # build the drafter's RoundUpdates (spec mode)
+    capacity: list[int] | None = None  # KV rows granted per sequence (ForwardBatch)
 
     def select(self, rows: list[int]) -> VerifyBatch:
         """The round of the sequences at ``rows`` only."""
@@ -137,6 +157,7 @@ class VerifyBatch:
             [self.positions[i] for i in rows],
             [self.num_draft[i] for i in rows],
             self.want_updates,
+            None if self.capacity is None else [self.capacity[i] for i in rows],
         )
 
 

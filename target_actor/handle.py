@@ -3,7 +3,9 @@
 
 ``prefill`` and ``verify`` return the small ``StepResult`` the engine reads, and the
 drafter's messages (``PrefillViews`` / ``RoundUpdate`` lists, None when the batch did
-not ask for them), which go to the drafter handle unopened.
+not ask for them), which go to the drafter handle unopened. ``preempt`` drops sequences'
+KV caches and keeps their sampling state; ``resume`` recomputes the caches (and, if
+asked, the drafter's views) without sampling.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .batch import ForwardBatch, ForwardOutput, PrefillBatch, StepResult, VerifyBatch
+from .batch import ForwardBatch, ForwardOutput, PrefillBatch, ResumeBatch, StepResult, VerifyBatch
 from .config import ModelConfig
 from .messages import Proposal
 
@@ -25,6 +27,10 @@ class TargetHandle(Protocol):
 
     def verify(self, batch: VerifyBatch, proposal: Proposal | None) -> tuple[StepResult, Any]: ...
 
+    def preempt(self, seq_ids: list[int]) -> None: ...
+
+    def resume(self, batch: ResumeBatch) -> Any: ...
+
     def forward(self, batch: ForwardBatch) -> ForwardOutput: ...
 
     def set_summary_queries(self, g: torch.Tensor | None) -> None: ...
@@ -33,6 +39,6 @@ class TargetHandle(Protocol):
 
     def kv_stats(self) -> dict[str, int]: ...
 
-    def kv_capacity_tokens(self) -> int: ...
+    def kv_capacity_tokens(self) -> int: ...  # the pool: total blocks x block size
 
     def shutdown(self) -> None: ...

@@ -4,7 +4,9 @@ Each sequence owns one contiguous tensor ``[layers, 2, kv_heads, capacity, head_
 so attention reads its keys as a strided view (no gather per layer, unlike a paged pool
 on CPU). Capacity grows in whole blocks of ``block_size`` tokens, by at least a quarter
 of the current size, and every reserved block counts against the pool's budget, so a
-scheduler can admit by ``free_blocks`` honestly. Roll-back only moves the length.
+scheduler can admit by ``free_blocks`` honestly; or exactly to a size the engine's
+scheduler granted (``reserve(..., exact=True)``), so the engine's books and the pool's
+agree block for block. Roll-back only moves the length.
 """
 
 from __future__ import annotations
@@ -69,13 +71,15 @@ class KVCache:
         seq = self.seqs.get(seq_id)
         return 0 if seq is None else seq.length
 
-    def reserve(self, seq_id: int, length: int) -> None:
-        """Make room for ``length`` tokens of ``seq_id`` (creating it if new)."""
+    def reserve(self, seq_id: int, length: int, exact: bool = False) -> None:
+        """Make room for ``length`` tokens of ``seq_id`` (creating it if new): a quarter
+        more, for fewer copies, unless ``exact`` or the pool is tight."""
         seq = self.seqs.get(seq_id)
         have = 0 if seq is None else seq.capacity
         if length <= have:
             return
-        want = self.blocks_for(max(length, have + have // 4)) * self.block_size
+        want = self.blocks_for(length if exact else max(length, have + have // 4))
+        want *= self.block_size
         need = self.blocks_for(want) - self.blocks_for(have)
         if need > self.free_blocks:
             want = self.blocks_for(length) * self.block_size  # no headroom when tight
@@ -100,11 +104,12 @@ class KVCache:
             raise ValueError(f"cannot roll sequence {seq_id} forward from {seq.length} to {length}")
         seq.length = length
 
-    def fork(self, src: int, dst: int) -> None:
-        """``dst`` starts as a copy of ``src``'s rows (a prompt shared by n choices)."""
+    def fork(self, src: int, dst: int, capacity: int | None = None) -> None:
+        """``dst`` starts as a copy of ``src``'s rows (a prompt shared by n choices), in a
+        cache of ``capacity`` rows if given."""
         length = self.seqs[src].length
         self.free(dst)
-        self.reserve(dst, length)
+        self.reserve(dst, max(length, capacity or 0), exact=True)
         self.seqs[dst].data[:, :, :, :length] = self.seqs[src].data[:, :, :, :length]
         self.seqs[dst].length = length
 

@@ -109,7 +109,9 @@ class TargetRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Roll each sequence back to ``start_pos``, append its new tokens, run the model."""
-        for seq_id, start, n in zip(batch.seq_ids, batch.start_pos, batch.num_new, strict=True):
+        for i, (seq_id, start, n) in enumerate(
+            zip(batch.seq_ids, batch.start_pos, batch.num_new, strict=True)
+        ):
             have = self.cache.length(seq_id)
             if start > have:
                 raise ValueError(
@@ -122,15 +124,24 @@ class TargetRunner:
                 )
             if seq_id in self.cache.seqs:
                 self.cache.rollback(seq_id, start)
-            self.cache.reserve(seq_id, start + n)
+            if batch.capacity is None:
+                self.cache.reserve(seq_id, start + n)
+            elif start + n > batch.capacity[i]:
+                raise ValueError(
+                    f"sequence {seq_id} would reach {start + n} rows, past the "
+                    f"{batch.capacity[i]} its scheduler granted"
+                )
+            else:
+                self.cache.reserve(seq_id, batch.capacity[i], exact=True)
             self.cache.set_length(seq_id, start + n)
         return self.model(batch, self.cache)
 
-    def fork(self, src: int, dst: int) -> None:
+    def fork(self, src: int, dst: int, capacity: int | None = None) -> None:
         """``dst``'s cache becomes a copy of ``src``'s (same prompt, prefilled once)."""
-        self.cache.fork(src, dst)
+        self.cache.fork(src, dst, capacity)
 
     def free(self, seq_ids: list[int]) -> None:
+        """Drop these sequences' KV caches (finished, or preempted to be recomputed)."""
         for seq_id in seq_ids:
             self.cache.free(seq_id)
 

@@ -18,10 +18,18 @@ import itertools
 
 import torch
 
-from target_actor.batch import ForwardBatch, PrefillBatch, SeqSampling, StepResult, VerifyBatch
+from target_actor.batch import (
+    ForwardBatch,
+    PrefillBatch,
+    ResumeBatch,
+    SeqSampling,
+    StepResult,
+    VerifyBatch,
+)
 from target_actor.grammar import GrammarState, ll_tokenizer
 from target_actor.logits_processors import TokenHistory
 from target_actor.messages import PrefillViews, Proposal, RoundUpdate
+from target_actor.model import EXACT_ROWS
 from target_actor.rejection import rejection_sample
 from target_actor.runner import TargetRunner
 from target_actor.sampling import token_logprobs
@@ -107,6 +115,7 @@ class Verifier:
                 self.prompt_lens[seq_id] = len(prompt)
         taps = batch.want_views and self.summary_queries is not None
         prompts = dict(zip(batch.seq_ids, batch.prompts, strict=True))
+        cap = dict(zip(batch.seq_ids, batch.capacity or [None] * len(batch.seq_ids), strict=True))
         # the same prompt twice in a batch (n choices of one request) runs once; the other
         # copies are forked from it after the forward (same bits: the chunk grid does not
         # depend on the batch). Prompt log-probabilities need their own rows.
@@ -162,6 +171,7 @@ class Verifier:
                         for s, c, e in zip(ids, chunks, ends, strict=True)
                     ],
                     return_taps=taps,
+                    capacity=None if batch.capacity is None else [cap[s] for s in ids],
                 )
             )
             row, off = 0, 0
@@ -185,7 +195,7 @@ class Verifier:
                     del progress[seq_id]
                 row += n
         for seq_id, leader in copies.items():
-            self.runner.fork(leader, seq_id)
+            self.runner.fork(leader, seq_id, cap[seq_id])
             last_logits[seq_id] = last_logits[leader]
             if taps:
                 views[seq_id] = views[leader]
@@ -203,6 +213,69 @@ class Verifier:
             _own(views[s].build(s, self.sampling[s].seed, prompts[s]), s in shared or s in copies)
             for s in batch.seq_ids
         ]
+
+    # -- preemption -------------------------------------------------------------------
+    def preempt(self, seq_ids: list[int]) -> None:
+        """Drop these sequences' KV caches for others' and keep the rest (sampling settings,
+        seeded generators, token histories, grammars) for their ``resume``."""
+        self.runner.free(seq_ids)
+
+    @torch.inference_mode()
+    def resume(self, batch: ResumeBatch) -> list[PrefillViews] | None:
+        """Recompute preempted sequences' KV caches, bit for bit as they were: each prompt
+        on its prefill chunk grid, then its output in blocks of at most ``EXACT_ROWS`` rows
+        (the row-exact path its verify rows took), so the rounds after go as if nothing
+        happened. Nothing is sampled. With ``want_views``, the drafter's views are built
+        from the whole context, as a prefill builds them from a prompt."""
+        taps = batch.want_views and self.summary_queries is not None
+        tokens = dict(zip(batch.seq_ids, batch.tokens, strict=True))
+        cap = dict(zip(batch.seq_ids, batch.capacity, strict=True))
+        todo = {
+            s: _replay_segments(p, len(t))
+            for s, p, t in zip(batch.seq_ids, batch.prompt_lens, batch.tokens, strict=True)
+        }
+        views = (
+            {s: _ViewBuilder(self.summary_queries, self.window, self.cfg.head_dim) for s in todo}
+            if taps
+            else {}
+        )
+        self.runner.free(batch.seq_ids)  # a retried resume starts over
+        while todo:
+            ids, parts, budget = [], [], PREFILL_TOKENS
+            for seq_id, segments in todo.items():
+                a, b = segments[0]
+                if ids and b - a > budget:
+                    continue
+                ids.append(seq_id)
+                parts.append((a, b))
+                budget -= b - a
+                if budget <= 0:
+                    break
+            out = self.runner.forward(
+                ForwardBatch(
+                    seq_ids=ids,
+                    token_ids=torch.tensor(
+                        [t for s, (a, b) in zip(ids, parts, strict=True) for t in tokens[s][a:b]]
+                    ),
+                    num_new=[b - a for a, b in parts],
+                    start_pos=[a for a, _ in parts],
+                    num_logits=[1] * len(ids),  # unused; keeps the head's shapes ordinary
+                    return_taps=taps,
+                    capacity=[cap[s] for s in ids],
+                )
+            )
+            off = 0
+            for seq_id, (a, b) in zip(ids, parts, strict=True):
+                if taps:
+                    rows = slice(off, off + b - a)
+                    views[seq_id].add(out.tap_k[:, rows], out.tap_v[:, rows], out.tap_hidden[rows])
+                off += b - a
+                todo[seq_id].pop(0)
+                if not todo[seq_id]:
+                    del todo[seq_id]
+        if not taps or not self.is_driver:
+            return None
+        return [views[s].build(s, self.sampling[s].seed, tokens[s]) for s in batch.seq_ids]
 
     # -- verify -------------------------------------------------------------------
     @torch.inference_mode()
@@ -226,6 +299,7 @@ class Verifier:
             start_pos=batch.positions,
             num_logits=[len(s) for s in tokens],
             return_taps=batch.want_updates,
+            capacity=batch.capacity,
         )
         out = self.runner.forward(fwd)
         if not self.is_driver:
@@ -360,6 +434,13 @@ class Verifier:
 
     def kv_stats(self) -> dict[str, int]:
         return self.runner.kv_stats()
+
+
+def _replay_segments(prompt_len: int, length: int) -> list[tuple[int, int]]:
+    """The forwards that rebuild ``length`` cached rows as they were first computed: the
+    prompt's prefill chunks, then the output's rows in blocks of at most ``EXACT_ROWS``."""
+    cuts = list(range(0, prompt_len, PREFILL_TOKENS)) + list(range(prompt_len, length, EXACT_ROWS))
+    return list(zip(cuts, cuts[1:] + [length], strict=True))
 
 
 def _own(views: PrefillViews, shared: bool) -> PrefillViews:

@@ -20,7 +20,14 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from target_actor.batch import ForwardBatch, ForwardOutput, PrefillBatch, StepResult, VerifyBatch
+from target_actor.batch import (
+    ForwardBatch,
+    ForwardOutput,
+    PrefillBatch,
+    ResumeBatch,
+    StepResult,
+    VerifyBatch,
+)
 from target_actor.channel import ChannelGroup, new_key, serve
 from target_actor.config import ModelConfig
 from target_actor.parallel import init_distributed
@@ -133,6 +140,12 @@ class TargetGroup:
     def verify(self, batch: VerifyBatch, proposal: Any) -> tuple[StepResult, Any]:
         return self.call("verify", batch, proposal)
 
+    def preempt(self, seq_ids: list[int]) -> None:
+        self.call("preempt", seq_ids)
+
+    def resume(self, batch: ResumeBatch) -> Any:
+        return self.call("resume", batch)
+
     def set_summary_queries(self, g: Any) -> None:
         self.call("set_summary_queries", g)
 
@@ -175,6 +188,12 @@ class LocalTarget:
 
     def verify(self, batch: VerifyBatch, proposal: Any) -> tuple[StepResult, Any]:
         return self.verifier.verify(batch, proposal)
+
+    def preempt(self, seq_ids: list[int]) -> None:
+        self.verifier.preempt(seq_ids)
+
+    def resume(self, batch: ResumeBatch) -> Any:
+        return self.verifier.resume(batch)
 
     def set_summary_queries(self, g: Any) -> None:
         self.verifier.set_summary_queries(g)

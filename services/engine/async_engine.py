@@ -379,13 +379,14 @@ class AsyncEngine:
         )
 
     def _expire_waiting(self) -> None:
-        """Fail requests still waiting past their deadline (running ones are safe)."""
+        """Fail requests still waiting past their deadline (running ones are safe, and so
+        are preempted ones: they were admitted once)."""
         if not self._deadlines:
             return
         now = time.time()
         for request_id, deadline in list(self._deadlines.items()):
             seq = self.engine.requests.get(request_id)
-            if seq is None or seq.status is not SeqStatus.WAITING:
+            if seq is None or seq.status is not SeqStatus.WAITING or seq.preemptions:
                 del self._deadlines[request_id]
             elif now > deadline:
                 del self._deadlines[request_id]

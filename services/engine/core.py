@@ -1,6 +1,8 @@
 """The speculative-decoding engine: continuous batching over draft -> verify -> commit rounds.
 
-One ``step()`` admits waiting requests (one batched prefill), then runs one round for every
+One ``step()`` gives every running sequence KV room for its next round (preempting the
+newest when the pool runs out: ``services.engine.scheduler``), admits waiting requests
+(one batched prefill; preempted ones recompute their KV), then runs one round for every
 running sequence: the drafter proposes ``k`` tokens per sequence in one call, the target
 verifies them in one batched forward and samples on rank 0 (lossless rejection sampling),
 and the engine commits the returned tokens and streams them out. Plain decoding is the
@@ -39,7 +41,7 @@ from services.engine.sequence import OutputLogprob, RequestOutput, SeqStatus, Se
 from services.engine.stopping import StopChecker
 from services.engine.structured import GrammarChecker
 from services.engine.tokenizer import Tokenizer
-from target_actor.batch import PrefillBatch, StepResult, TokenLogprobs, VerifyBatch
+from target_actor.batch import PrefillBatch, ResumeBatch, StepResult, TokenLogprobs, VerifyBatch
 from target_actor.config import TargetConfigError
 from target_actor.handle import TargetHandle
 from target_actor.messages import DraftRequest, Proposal, scatter_proposal
@@ -81,8 +83,10 @@ class Engine:
         self.eos = self.cfg.eos_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         )
+        kv = target.kv_stats()
         self.scheduler = Scheduler(
-            target.kv_capacity_tokens(),
+            kv["total_blocks"],
+            kv["block_size"],
             self.config.max_num_seqs,
             self.config.max_prefill_seqs,
             self.config.k + 1,
@@ -165,9 +169,10 @@ class Engine:
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
         if seq is not None and seq.status is not SeqStatus.FINISHED:
-            was_running = seq.status is SeqStatus.RUNNING
+            # a preempted sequence waits without KV, its sampling state still on the ranks
+            started = seq.status is SeqStatus.RUNNING or seq.preemptions > 0
             self._finish(seq, "abort")
-            if was_running:
+            if started:
                 self._release([seq])
 
     def has_unfinished(self) -> bool:
@@ -175,12 +180,19 @@ class Engine:
 
     # -- the round ----------------------------------------------------------------
     def step(self) -> None:
-        """Admit and prefill new requests, then one draft -> verify -> commit round.
+        """KV room for every running sequence (or preemption), admission (prefill new
+        requests, recompute preempted ones), then one draft -> verify -> commit round.
 
         A round that raises for some sequences never fails the others (see ``_apart``):
         only the sequences that fail on their own finish, with an error.
         """
-        self._prefill(self.scheduler.admit())
+        preempted = self.scheduler.grow()
+        if preempted:
+            self._preempt(preempted)  # and admit nobody this step: the pool is short
+        admitted = [] if preempted else self.scheduler.admit()
+        resumed = [s for s in admitted if s.output_ids]  # before prefill gives the rest one
+        self._prefill([s for s in admitted if not s.output_ids])
+        self._resume(resumed)
         running = list(self.scheduler.running)
         if running:
             self._round(running)
@@ -197,6 +209,7 @@ class Engine:
             [s.cache_len for s in running],
             plan.num_draft,
             want_updates=self._wants_updates(running),
+            capacity=[self.scheduler.granted(s) for s in running],
         )
         proposal, copied = self._draft(running, batch, plan)
         t1 = time.perf_counter()
@@ -351,6 +364,7 @@ class Engine:
             [s.prompt_ids for s in seqs],
             [s.params.target_sampling(self.eos) for s in seqs],
             want_views=with_drafter,
+            capacity=[self.scheduler.granted(s) for s in seqs],
         )
         result, views = self.target.prefill(batch)
         if batch.want_views:
@@ -368,6 +382,51 @@ class Engine:
                     *self._render_logprobs(s.prompt_ids[1:], entries),
                 ]
         self._commit(seqs, result, [0] * len(seqs), count=False)
+
+    def _preempt(self, seqs: list[Sequence]) -> None:
+        """The scheduler took these sequences' KV blocks: the ranks drop their caches (and
+        keep their sampling state), the drafter its views; they wait to be recomputed.
+        The last round's drafter updates for them are dropped with their state, and they
+        come back no sooner than the next step, after those updates went out."""
+        ids = [s.seq_id for s in seqs]
+        log.info("KV cache short: preempting %d sequences (recompute)", len(ids))
+        self.stats.preemptions += len(ids)
+        self.target.preempt(ids)
+        with_state = self.planner.release(ids)
+        if with_state:
+            self.drafter.free(with_state)
+
+    def _resume(self, seqs: list[Sequence]) -> None:
+        """Recompute preempted sequences' KV caches (and drafter views) together; if that
+        raises, parts apart (``_bisect``). Nothing is sampled, nothing streamed: the next
+        round goes on from their last token as the uninterrupted run would have."""
+        if not seqs:
+            return
+        with_drafter = self.planner.admit(seqs)
+        try:
+            self._resume_batch(seqs, with_drafter)
+        except Exception as exc:  # noqa: BLE001 - contained per sequence unless fatal
+            if is_fatal(exc):
+                raise
+
+            def retry(rows: list[int]) -> None:
+                self._resume_batch([seqs[i] for i in rows], with_drafter)
+
+            self._bisect(seqs, exc, retry, "resume")
+
+    def _resume_batch(self, seqs: list[Sequence], with_drafter: bool) -> None:
+        batch = ResumeBatch(
+            [s.seq_id for s in seqs],
+            [s.prompt_ids + s.output_ids[:-1] for s in seqs],
+            [len(s.prompt_ids) for s in seqs],
+            [self.scheduler.granted(s) for s in seqs],
+            want_views=with_drafter,
+        )
+        views = self.target.resume(batch)
+        if batch.want_views:
+            self.drafter.prefill(views)
+        else:
+            self.planner.go_plain(batch.seq_ids)
 
     def _commit(
         self, seqs: list[Sequence], result: StepResult, num_draft: list[int], count: bool = True

@@ -52,6 +52,7 @@ class EngineStats:
     isolated_failures: int = 0  # requests a failing round or prefill finished alone
     split_rounds: int = 0  # failed verifies / prefills retried in halves to isolate them
     drafter_errors: int = 0  # proposals an in-process drafter raised on (those went plain)
+    preemptions: int = 0  # sequences whose KV was dropped for others' (then recomputed)
     round_log: TimingLog = field(default_factory=TimingLog)  # (draft_s, verify_s, round_s)
     request_log: TimingLog = field(default_factory=TimingLog)  # (e2e_s,), aborts/errors excluded
 
@@ -104,4 +105,5 @@ class EngineStats:
             "isolated_failures": self.isolated_failures,
             "split_rounds": self.split_rounds,
             "drafter_errors": self.drafter_errors,
+            "preemptions": self.preemptions,
         }

@@ -14,7 +14,7 @@ from services.engine.stopping import StopChecker
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # not admitted yet, or preempted (then it has output already)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -100,6 +100,7 @@ class Sequence:
     emitted_text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # the output's text, read as it grows
     ngrams: NgramIndex = field(default_factory=NgramIndex)  # engine-side context copies
+    preemptions: int = 0  # times its KV was dropped for others' and recomputed
 
     @property
     def cache_len(self) -> int:

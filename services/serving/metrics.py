@@ -44,6 +44,7 @@ COUNTERS = {
     "drafter_lost_sequences": "sequences that went on plainly after a drafter failure",
     "isolated_failures": "requests that failed alone in a round or prefill (the rest went on)",
     "split_rounds": "failed verifies or prefills retried in halves to find the failing requests",
+    "num_preemptions": "sequences preempted for KV room (their KV recomputed later)",
 }
 LABELLED_COUNTERS = {  # name -> (description, extra tag key)
     "spec_decode_num_accepted_tokens_per_pos": (
@@ -55,7 +56,7 @@ LABELLED_COUNTERS = {  # name -> (description, extra tag key)
 GAUGES = {
     "num_requests_running": "sequences in the running batch",
     "num_requests_waiting": "requests waiting for admission",
-    "kv_cache_usage_perc": "fraction of the KV-cache token budget reserved (0..1)",
+    "kv_cache_usage_perc": "fraction of the KV-cache blocks granted to running sequences (0..1)",
     "spec_decode_mean_accepted_length": "tokens committed per drafting round (tau), since start",
     "round_time_ms": "mean round time (draft + verify + commit), since start",
     "draft_time_ms": "mean drafting time per round, since start",
@@ -125,6 +126,7 @@ class EngineMetrics:
             "rounds": s.rounds,
             "isolated_failures": s.isolated_failures,
             "split_rounds": s.split_rounds,
+            "num_preemptions": s.preemptions,
             **{n: int(drafter.get(n, 0)) for n in DRAFTER_COUNTERS},
             "spec_decode_num_accepted_tokens_per_pos": {
                 str(pos): n for pos, n in enumerate(spec.accepted_per_pos)
@@ -214,6 +216,7 @@ VLLM_NAMES = frozenset(
     {
         "num_requests_running",
         "num_requests_waiting",
+        "num_preemptions",
         "kv_cache_usage_perc",
         "prompt_tokens",
         "generation_tokens",
