@@ -72,7 +72,9 @@ def server_process(tmp_path):
 def test_sigterm_drains_then_exits(server_process):
     proc, url, log = server_process
     model = "tiny"
-    long_body = {"model": model, "prompt": "Hello world", "max_tokens": 800, "stream": True}
+    # long enough to outlast the burst and the drain's start on a fast host (800 tokens of the
+    # tiny model once ended first); the 4K context holds it
+    long_body = {"model": model, "prompt": "Hello world", "max_tokens": 3800, "stream": True}
     long_body.update(temperature=0, ignore_eos=True)
     small = {"model": model, "prompt": "Hi", "max_tokens": 2}
     # long enough to still hold its slot while the rest of the burst arrives (with two
@@ -120,8 +122,8 @@ def test_sigterm_drains_then_exits(server_process):
     # under Serve too: the client's request id, echoed once, in the error body
     assert traced.status_code == 404 and traced.json()["request_id"] == "t-1"
     assert traced.headers.get_list("x-request-id") == ["t-1"]
-    assert refused.json()["request_id"] == refused.headers["x-request-id"]
     assert refused is not None, log.read_text()[-3000:]
+    assert refused.json()["request_id"] == refused.headers["x-request-id"]
     assert refused.json()["error"]["code"] == "shutting_down" and refused.headers["retry-after"]
     assert health.status_code == 503
     assert running_when_refused  # the drain began while the stream was still running
