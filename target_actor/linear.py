@@ -3,10 +3,12 @@
 A decode step at small batch is memory-bound: its time is the bytes of weights it streams.
 So besides dense weights we keep two weight-only quantized forms with bf16 activations:
 
-- ``int4``: groups of 32 weights along the input dim, each ``w = (q - 8) * scale + zero``
-  with ``q`` in 0..15 (``_weight_int4pack_mm_for_cpu``). This is the GGUF Q4_1 block
-  (``w = d * q + m``): a checkpoint dequantised from a Q4_1 file is re-quantised exactly,
-  up to the bf16 rounding of ``scale`` and ``zero``.
+- ``int4``: groups of 32 weights along the input dim, the GGUF Q4_1 block ``w = d * q + m``
+  with ``q`` in 0..15: a checkpoint dequantised from a Q4_1 file is re-quantised exactly.
+  With the C kernels built, ``csrc/q4.c`` multiplies by it with fp16 ``d``, ``m`` and
+  activations quantised per block of 32 to int8 (llama.cpp's Q4_1 x Q8 scheme), by integer
+  dot products: an extra row of a verify block or a decode batch costs little. Without
+  them, torch's ``_weight_int4pack_mm_for_cpu`` with bf16 activations and bf16 ``d``, ``m``.
 - ``int8``: one symmetric scale per output channel, by the C GEMM (``csrc/gemm.c``, fp32
   out) when it is built, else ``_weight_int8pack_mm``. Under int4 the LM head is int8, and
   at 1 / 8 / 32 rows the C GEMM takes it in about 0.4x / 0.5x / 0.35x torch's time.
@@ -21,6 +23,7 @@ math. A pack is exact only for its own M, so other shapes take ``F.linear``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +75,10 @@ class WeightForm:
 
 
 class Linear:
-    """``y = x @ W.T + b`` for ``x`` ``[M, in]``; the output has ``x``'s dtype."""
+    """``y = x @ W.T + b`` for ``x`` ``[M, in]``; the output has ``x``'s dtype (fp32 from the
+    C kernels)."""
+
+    act: torch.dtype | None = None  # the input dtype it takes (None: the model's)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -126,12 +132,12 @@ class _WeightOnly(Linear):
         return self._run(eye).float().t().contiguous()
 
 
-def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP):
+def quantize_q4_1(weight: torch.Tensor, group: int = INT4_GROUP):
     """Asymmetric min/max int4 per group of ``group`` inputs (GGUF Q4_1's rule).
 
-    Returns ``q`` ``[out, in]`` int32 in 0..15 and ``scale``, ``zero`` ``[out, in/group]``
-    fp32 with ``w ~= (q - 8) * scale + zero``. A weight whose groups already sit on such a
-    grid (a dequantised Q4_1 checkpoint) comes back exactly.
+    Returns ``q`` ``[out, in]`` int32 in 0..15 and ``d``, ``m`` ``[out, in/group]`` fp32
+    with ``w ~= d * q + m``. A weight whose groups already sit on such a grid (a
+    dequantised Q4_1 checkpoint) comes back exactly.
     """
     w = weight.float().reshape(weight.shape[0], -1, group)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
@@ -139,45 +145,112 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP):
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = ((w - lo) / safe).round().clamp_(0, 15)
     q = torch.where(d > 0, q, torch.zeros_like(q))
-    scale, zero = d.squeeze(-1), (lo + 8 * d).squeeze(-1)
-    return q.reshape(weight.shape).to(torch.int32), scale, zero
+    return q.reshape(weight.shape).to(torch.int32), d.squeeze(-1), lo.squeeze(-1)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP):
+    """:func:`quantize_q4_1` in torch's int4 kernel's terms: ``q`` and ``scale``, ``zero``
+    with ``w ~= (q - 8) * scale + zero``."""
+    q, d, m = quantize_q4_1(weight, group)
+    return q, d, m + 8 * d
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[N, K]`` in 0..15 -> ``csrc/q4.c``'s tiles: for each 16 channels and 8 inputs
+    64 bytes, byte ``4c + t`` = ``q[c, t]`` (low nibble) | ``q[c, 4 + t]`` (high nibble)."""
+    N, K = q.shape
+    t = q.to(torch.uint8).view(N // 16, 16, K // 8, 2, 4).permute(0, 2, 1, 4, 3)
+    return (t[..., 0] | (t[..., 1] << 4)).contiguous().view(-1)
+
+
+def pack_w8(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``q`` ``[N, K]`` -> ``csrc/q4.c``'s int8 tiles: for each 16 channels and 4 inputs
+    64 bytes, byte ``4c + t`` = ``q[c, t] + 128`` (unsigned, as ``vpdpbusd`` takes it)."""
+    N, K = q.shape
+    t = (q.to(torch.int16) + 128).to(torch.uint8).view(N // 16, 16, K // 4, 4).transpose(1, 2)
+    return t.contiguous().view(-1)
+
+
+def _tile_scales(s: torch.Tensor) -> torch.Tensor:
+    """``[N, K/32]`` -> ``[N/16, K/32, 16]`` (the order ``csrc/q4.c`` reads them in)."""
+    return s.reshape(s.shape[0] // 16, 16, -1).transpose(1, 2).contiguous()
 
 
 class Int4Linear(_WeightOnly):
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
-        q, scale, zero = quantize_int4(weight)
+        q, d, m = quantize_q4_1(weight)
+        self.lib = native_q4_lib(weight.shape)
+        if self.lib is not None:  # csrc/q4.c: fp32 in, fp16 d and m (GGUF's), int8 dots
+            self.act = torch.float32
+            self.packed = pack_q4(q)
+            self.d, self.m = _tile_scales(d).half(), _tile_scales(m).half()
+            return
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         # the kernel wants [in/group, out, 2] in the activation dtype
-        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).to(self.act).contiguous()
+        zero = m + 8 * d
+        self.scales_zeros = torch.stack([d, zero], -1).transpose(0, 1).to(self.act).contiguous()
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None:
+            M, K = x.shape
+            y = torch.empty(M, self.out_features)
+            rc = self.lib.ls_gemm_q4(
+                x.data_ptr(), M, K, self.packed.data_ptr(), self.d.data_ptr(),
+                self.m.data_ptr(), self.out_features, y.data_ptr(),
+            )  # fmt: skip
+            if rc != 0:
+                raise MemoryError("native int4 GEMM: out of memory")
+            return y
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
 
     @property
     def nbytes(self) -> int:
+        if self.lib is not None:
+            return self.packed.numel() + (self.d.numel() + self.m.numel()) * 2
         return self.packed.numel() + self.scales_zeros.numel() * 2
 
 
 class Int8Linear(_WeightOnly):
+    """One symmetric scale per output channel. Three kernels, best first: ``csrc/q4.c``'s
+    integer dot products (activations int8 per block of 32, as the int4 layers), the C GEMM
+    of ``csrc/gemm.c`` (bf16 activations), torch's ``_weight_int8pack_mm``."""
+
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.float()
         self.out_features, self.in_features = w.shape
         amax = w.abs().amax(1, keepdim=True)
         scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
         self.q = (w / scale).round().clamp_(-127, 127).to(torch.int8).contiguous()
+        self.int_lib = native_q4_lib(weight.shape)
+        if self.int_lib is not None:
+            self.act, self.lib = torch.float32, self.int_lib
+            self.tiles, self.q = pack_w8(self.q), None
+            self.scale = scale.squeeze(1).contiguous()
+            return
         self.lib = native_gemm_lib(weight.shape)
         # the C kernel applies the fp32 scale to each sum; torch's takes it in bf16
         self.scale = scale.squeeze(1) if self.lib is not None else scale.squeeze(1).to(self.act)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int_lib is not None:
+            M, K = x.shape
+            y = torch.empty(M, self.out_features)
+            rc = self.int_lib.ls_gemm_w8(
+                x.data_ptr(), M, K, self.tiles.data_ptr(), self.scale.data_ptr(),
+                self.out_features, y.data_ptr(),
+            )  # fmt: skip
+            if rc != 0:
+                raise MemoryError("native int8 GEMM: out of memory")
+            return y
         if self.lib is not None:
             return native_gemm(self.lib, native.GEMM_INT8, x, self.q, self.scale)
         return torch._weight_int8pack_mm(x, self.q, self.scale)
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        q = self.tiles if self.int_lib is not None else self.q
+        return q.numel() + self.scale.numel() * self.scale.element_size()
 
 
 def inference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -193,6 +266,15 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     y = native_gemm(lib, native.GEMM_BF16, rows, weight.contiguous())
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def native_q4_lib(shape: tuple[int, int]):
+    """The C integer GEMMs (``csrc/q4.c``) when built with VNNI and ``[out, in]`` fits
+    them, else None. ``LONGSPARK_Q4=0`` keeps the other kernels (for comparisons)."""
+    lib = native.library() if os.environ.get("LONGSPARK_Q4", "1") != "0" else None
+    out_f, in_f = shape
+    fits = out_f % native.Q4_CHANNELS == 0 and in_f % native.Q4_BLOCK == 0
+    return lib if lib is not None and fits and lib.ls_gemm_q4_vnni() else None
 
 
 def native_gemm_lib(shape: tuple[int, int]):

@@ -92,8 +92,6 @@ class DecoderLayer(nn.Module):
         the dense weights it was made from."""
         self.lin_qkv, self.lin_o = form.make(self.qkv), form.make(self.o)
         self.lin_gate_up, self.lin_down = form.make(self.gate_up), form.make(self.down)
-        # the GEMMs' input dtype: the quantized kernels take bf16, dense ones the model's
-        self.act = torch.bfloat16 if form.quant != "none" else None
         if form.quant != "none":
             for p in (self.qkv, self.o, self.gate_up, self.down):
                 p.data = torch.empty(0)
@@ -154,18 +152,21 @@ class DecoderLayer(nn.Module):
         ``y`` is the previous layer's output, still to be added to ``h`` (the add is fused
         into this layer's first norm); returns this layer's output and this rank's new
         K, V ``[T, kv_heads, head_dim]``."""
-        hd, eps, act = self.cfg.head_dim, self.cfg.rms_norm_eps, self.act or h.dtype
-        x = ops.add_rms_norm(h, y, self.input_norm, eps, act)
+        hd, eps = self.cfg.head_dim, self.cfg.rms_norm_eps
+        # each GEMM's input in the dtype its kernel takes (torch's quantized ones: bf16)
+        x = ops.add_rms_norm(h, y, self.input_norm, eps, self.lin_qkv.act or h.dtype)
         q, k, v = ops.qkv_rope(
             self.lin_qkv(x), self.qkv_bias, self.q_norm, self.k_norm, eps, cos, sin,
             self.heads, self.kv_heads, hd,
         )  # fmt: skip
         attn = self._attend(q, k, v, plan, cache, layer_id)
-        y = self._reduce(self.lin_o(attn.to(act)))
+        y = self._reduce(self.lin_o(attn.to(self.lin_o.act or h.dtype)))
         if self.o_bias is not None:
             y = y.to(h.dtype) + self.o_bias
-        x = ops.add_rms_norm(h, y, self.post_norm, eps, act)
-        y = self._reduce(self.lin_down(ops.silu_mul(self.lin_gate_up(x), act)))
+        x = ops.add_rms_norm(h, y, self.post_norm, eps, self.lin_gate_up.act or h.dtype)
+        y = self._reduce(
+            self.lin_down(ops.silu_mul(self.lin_gate_up(x), self.lin_down.act or h.dtype))
+        )
         return y, k, v
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
@@ -319,7 +320,7 @@ class TargetModel(nn.Module):
                 taps_h.append(h + y)  # the layer's output hidden state (h itself lags by y)
                 taps_k.append(self._gather_heads(k))
                 taps_v.append(self._gather_heads(v))
-        x = ops.add_rms_norm(h, y, self.norm, self.cfg.rms_norm_eps, self.layers[0].act or h.dtype)
+        x = ops.add_rms_norm(h, y, self.norm, self.cfg.rms_norm_eps, self.lin_head.act or h.dtype)
         out = ForwardOutput(logits=self._head(x[self._logit_rows(batch)]))
         if batch.return_taps:
             out.tap_hidden = torch.stack(taps_h, dim=1)  # [T, L, hidden]

@@ -25,11 +25,12 @@ from pathlib import Path
 
 log = logging.getLogger("longspark.target")
 
-SOURCES = ("common.h", "attention.c", "rowwise.c", "gemm.c")
+SOURCES = ("common.h", "attention.c", "rowwise.c", "gemm.c", "q4.c")
 LANES = 16  # head_dim must be a multiple of the kernels' vector width (csrc LANES)
 GEMM_CHANNELS = 4  # the GEMMs take out_features in multiples of this (csrc/gemm.c NB)
 GEMM_STEP = 32  # ... and in_features in multiples of this (csrc/gemm.c STEP)
 GEMM_INT8, GEMM_BF16 = 0, 1  # ls_gemm's weight kinds
+Q4_CHANNELS, Q4_BLOCK = 16, 32  # ls_gemm_q4: out_features, in_features multiples (csrc/q4.c)
 # -fno-trapping-math lets floorf (in exp) vectorise; nothing here reassociates floats
 CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 _I64 = ctypes.c_int64
@@ -121,6 +122,11 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         # kind (0 int8, 1 bf16), x, M, K, weights, scales, N, y
         "ls_gemm": [i32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
         "ls_gemm_bf16_dot": [],
+        # x, M, K, packed weights, d, m, N, y
+        "ls_gemm_q4": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR],
+        # x, M, K, packed weights, scales, N, y
+        "ls_gemm_w8": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
+        "ls_gemm_q4_vnni": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -15,12 +15,12 @@
 
 #include "common.h"
 
-/* a dot product over d (a multiple of LANES): LANES independent partial sums, then a
- * fixed pairwise fold; the same order on every call */
+/* a dot product over d (a multiple of LANES): LANES independent partial sums by fused
+ * multiply-adds, then a fixed pairwise fold; the same order on every call */
 static inline float dot(const float *a, const float *b, int d) {
     float acc[LANES] = {0};
     for (int i = 0; i < d; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
     return fold(acc);
 }
 
@@ -33,27 +33,116 @@ static inline float lane_sum(const float *x, int n) {
     return fold(acc);
 }
 
-/* One (query row, KV head): the `group` query heads that share this KV head. */
-static void attend_row(const float *q, float *out, const float *keys, const float *values,
-                       int64_t len, int group, int d, float scale, float *scores) {
-    for (int g = 0; g < group; g++) {
-        const float *qg = q + (int64_t)g * d;
-        float *s = scores + (int64_t)g * len;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < len; j++) {
-            s[j] = dot(qg, keys + j * d, d) * scale;
-            m = s[j] > m ? s[j] : m;
-        }
-        for (int64_t j = 0; j < len; j++) s[j] = exp_neg(s[j] - m);
-        float inv = 1.0f / lane_sum(s, (int)len);
-        float *o = out + (int64_t)g * d;
-        for (int i = 0; i < d; i++) o[i] = 0.0f;
-        for (int64_t j = 0; j < len; j++) {
-            const float p = s[j], *v = values + j * d;
-            for (int i = 0; i < d; i++) o[i] += p * v[i];
-        }
-        for (int i = 0; i < d; i++) o[i] *= inv;
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* fold() of 16 vectors at once: out[j] = fold(v[j]), by the same pairwise adds (lane l
+ * with l + 8, then + 4, + 2, + 1) arranged as a transpose, so each score is bit for bit
+ * what dot() gives, whichever of the 16 places it takes. */
+static inline __m512 fold16(const __m512 *v) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* l += l + 8: two vectors' halves side by side */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* l += l + 4: block b of x[i] is vector 4i + b */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* l += l + 2 within each 128-bit block */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    /* l += l + 1; lane 4b + t now holds vector 4t + b */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
+                                   _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, z);
+}
+
+/* the 16 scores of keys k[0], k[d], ..., k[15 d] */
+static inline __m512 scores16(const float *q, const float *k, int d) {
+    __m512 v[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) v[t] = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 16) {
+        const __m512 qi = _mm512_loadu_ps(q + i);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++)
+            v[t] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(k + (int64_t)t * d + i), v[t]);
     }
+    return fold16(v);
+}
+
+/* s[j] = dot(q, keys[j]) * scale for j < len, 16 keys at a time; a short last group is
+ * copied next to zeros (pad: 16 * d floats) */
+static void scores_of(const float *q, const float *keys, int64_t len, int d, float scale,
+                      float *s, float *pad) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    int64_t j0 = 0;
+    for (; j0 + 16 <= len; j0 += 16)
+        _mm512_storeu_ps(s + j0, _mm512_mul_ps(scores16(q, keys + j0 * d, d), sc));
+    const int n = (int)(len - j0);
+    if (n > 0) {
+        memcpy(pad, keys + j0 * d, sizeof(float) * (size_t)(n * d));
+        memset(pad + n * d, 0, sizeof(float) * (size_t)((16 - n) * d));
+        const __m512 dots = _mm512_mul_ps(scores16(q, pad, d), sc);
+        _mm512_mask_storeu_ps(s + j0, (__mmask16)((1u << n) - 1), dots);
+    }
+}
+
+/* o = sum_j p[j] * values[j] (in order of j), times inv; four vectors of o at a time */
+static void weigh_values(const float *p, const float *values, int64_t len, int d, float inv,
+                         float *o) {
+    int i0 = 0;
+    for (; i0 + 64 <= d; i0 += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < len; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            const float *v = values + j * d + i0;
+            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v), a0);
+            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16), a1);
+            a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 32), a2);
+            a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 48), a3);
+        }
+        const __m512 sc = _mm512_set1_ps(inv);
+        _mm512_storeu_ps(o + i0, _mm512_mul_ps(a0, sc));
+        _mm512_storeu_ps(o + i0 + 16, _mm512_mul_ps(a1, sc));
+        _mm512_storeu_ps(o + i0 + 32, _mm512_mul_ps(a2, sc));
+        _mm512_storeu_ps(o + i0 + 48, _mm512_mul_ps(a3, sc));
+    }
+    for (; i0 < d; i0 += 16) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len; j++)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(values + j * d + i0), a);
+        _mm512_storeu_ps(o + i0, _mm512_mul_ps(a, _mm512_set1_ps(inv)));
+    }
+}
+#else
+static void scores_of(const float *q, const float *keys, int64_t len, int d, float scale,
+                      float *s, float *pad) {
+    (void)pad;
+    for (int64_t j = 0; j < len; j++) s[j] = dot(q, keys + j * d, d) * scale;
+}
+
+static void weigh_values(const float *p, const float *values, int64_t len, int d, float inv,
+                         float *o) {
+    for (int i = 0; i < d; i++) o[i] = 0.0f;
+    for (int64_t j = 0; j < len; j++) {
+        const float *v = values + j * d;
+        for (int i = 0; i < d; i++) o[i] = fmaf(p[j], v[i], o[i]);
+    }
+    for (int i = 0; i < d; i++) o[i] *= inv;
+}
+#endif
+
+/* One query row of one head against its KV head's keys 0..len-1. The two paths above
+ * compute the same bits. */
+static void attend_row(const float *q, float *out, const float *keys, const float *values,
+                       int64_t len, int d, float scale, float *s, float *pad) {
+    scores_of(q, keys, len, d, scale, s, pad);
+    float m = -INFINITY;
+    for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
+    for (int64_t j = 0; j < len; j++) s[j] = exp_neg(s[j] - m);
+    const float inv = 1.0f / lane_sum(s, (int)len);
+    weigh_values(s, values, len, d, inv, out);
 }
 
 /* q [T, heads * d] (row stride q_stride), k/v new rows [T, kv_heads * d] (strides
@@ -82,10 +171,12 @@ int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride
                 memcpy(vc + at, v + (row0[s] + i) * v_stride + (int64_t)h * d, d * sizeof(float));
             }
     }
-    const int64_t items = rows * kv_heads;
-#pragma omp parallel if (items > 8)
+    /* one item per (row, KV head): its query heads run back to back over the same keys
+     * (from cache); a long context's single row goes parallel too */
+    const int64_t items = rows * kv_heads, scratch = (max_len > 0 ? max_len : 1) + 16 * d;
+#pragma omp parallel if (items > 8 || items * max_len > 4096)
     {
-        float *scores = malloc(sizeof(float) * group * (max_len > 0 ? max_len : 1));
+        float *scores = malloc(sizeof(float) * (size_t)scratch);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             int64_t r = it / kv_heads, s = 0;
@@ -95,9 +186,11 @@ int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride
             const float *kc = (const float *)(intptr_t)base[s] + layer * 2 * kv_heads * cap[s] * d;
             const float *keys = kc + (int64_t)h * cap[s] * d;
             const float *values = keys + (int64_t)kv_heads * cap[s] * d;
-            attend_row(q + row * q_stride + (int64_t)h * group * d,
-                       out + row * (int64_t)heads * d + (int64_t)h * group * d, keys, values, len,
-                       group, d, scale, scores);
+            for (int g = 0; g < group; g++) {
+                const int64_t hq = (int64_t)h * group + g;
+                attend_row(q + row * q_stride + hq * d, out + row * (int64_t)heads * d + hq * d,
+                           keys, values, len, d, scale, scores, scores + scratch - 16 * d);
+            }
         }
         free(scores);
     }

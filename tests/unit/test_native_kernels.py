@@ -24,7 +24,7 @@ def _layer(heads: int, kv_heads: int, hd: int) -> DecoderLayer:
     return layer
 
 
-def attend(seqs, heads=6, kv_heads=2, hd=32):
+def attend(seqs, heads=6, kv_heads=2, hd=32, lib=None):
     """Run the kernel over ``seqs``: (cached length, new rows, seed) each; a sequence's
     cache, queries and new K/V come from its own seed, whatever else is in the call."""
     cache = KVCache(2, kv_heads, hd, 10_000)
@@ -46,7 +46,7 @@ def attend(seqs, heads=6, kv_heads=2, hd=32):
     batch = ForwardBatch(
         list(range(len(seqs))), torch.zeros(T, dtype=torch.long), news, [s[0] for s in seqs], news
     )
-    plan = _AttnPlan(batch, heads // kv_heads, cache, native.library())
+    plan = _AttnPlan(batch, heads // kv_heads, cache, lib or native.library())
     out = torch.empty(T, heads * hd)
     _layer(heads, kv_heads, hd)._attend_native(plan, 1, q, k, v, out)
     return cache, q, k, v, out
@@ -85,6 +85,16 @@ def test_a_row_is_the_same_alone_in_a_block_or_in_any_batch():
         one = torch.empty(1, 6 * 32)
         _layer(6, 2, 32)._attend_native(plan, 1, q[i : i + 1], k[i : i + 1], v[i : i + 1], one)
         assert torch.equal(one[0], block[i])
+
+
+def test_attention_paths_agree_bit_for_bit():
+    """The AVX-512 attention (16 keys' scores folded at once) and the portable one compute
+    the same bits: the same multiply-adds and the same pairwise fold for every score."""
+    portable = native.build_variant(("-mno-avx512f",))
+    seqs = [(0, 1, 1), (300, 8, 2), (77, 3, 3), (16, 1, 4), (33, 2, 5)]
+    for hd in (32, 64, 80):  # 80: a head wider than four vectors' step
+        fast = attend(seqs, heads=9, kv_heads=3, hd=hd)[-1]
+        assert torch.equal(fast, attend(seqs, heads=9, kv_heads=3, hd=hd, lib=portable)[-1])
 
 
 def close(a: torch.Tensor, b: torch.Tensor, act: torch.dtype) -> bool:
@@ -228,3 +238,89 @@ def test_inference_linear_is_the_c_gemm_without_grads_and_torch_with_them():
     assert fast.shape == slow.shape == (2, 3, 64) and fast.dtype == x.dtype
     assert slow.requires_grad and not fast.requires_grad
     assert (fast - x.bfloat16().float() @ w.detach().float().t()).abs().max() <= 1e-4
+
+
+def _q8_1(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``csrc/q4.c`` sees it: per block of 32, int8 levels of max|x| / 127."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks.float() * (127.0 / amax.float())).double()
+    return (q * (amax.float() / 127.0).double()).view_as(x)
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def q4_lib(request):
+    """The int4 GEMM as built here, and as built for a CPU without AVX512-VNNI."""
+    if request.param == "native":
+        return native.library()
+    return native.build_variant(("-mno-avx512vnni",))
+
+
+def test_q4_gemm_is_q4_1_weights_times_q8_inputs_and_rows_stand_alone(q4_lib, monkeypatch):
+    """The int4 GEMM multiplies the exact Q4_1 weights (fp16 d, m) by each row quantised per
+    block of 32, on both paths, and a row's result never depends on its batch."""
+    from target_actor import linear
+    from target_actor.linear import Int4Linear, quantize_q4_1
+
+    monkeypatch.setattr(linear, "native_q4_lib", lambda shape: q4_lib)
+    gen = torch.Generator().manual_seed(0)
+    N, K = 48, 160  # three tiles of 16 channels; five blocks of 32
+    w = torch.randn(N, K, generator=gen) * 0.05
+    lin = Int4Linear(w)
+    assert lin.lib is q4_lib and lin.act == torch.float32
+    q, d, m = quantize_q4_1(w)
+    d, m = d.half().double().repeat_interleave(32, 1), m.half().double().repeat_interleave(32, 1)
+    x = torch.randn(150, K, generator=gen)  # 150 rows: two sweeps of 128, a ragged last tile
+    whole = lin(x)
+    ref = _q8_1(x) @ (d * q + m).t()
+    assert whole.dtype == torch.float32 and whole.shape == (150, N)
+    assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for lo, hi in ((0, 1), (3, 11), (5, 6), (7, 16), (128, 150)):
+        assert torch.equal(lin(x[lo:hi].contiguous()), whole[lo:hi])
+
+
+def test_q4_gemm_paths_agree_bit_for_bit():
+    """Exact integer sums and the same float steps: a machine with VNNI and one without
+    compute the same bits."""
+    from target_actor.linear import pack_q4, pack_w8, quantize_q4_1
+
+    fast, portable = native.library(), native.build_variant(("-mno-avx512vnni",))
+    gen = torch.Generator().manual_seed(2)
+    w, x = torch.randn(32, 96, generator=gen), torch.randn(9, 96, generator=gen)
+    q, d, m = quantize_q4_1(w)
+    tiles = [s.view(2, 16, 3).transpose(1, 2).contiguous().half() for s in (d, m)]
+    packed = pack_q4(q)
+    q8 = pack_w8(torch.randint(-127, 128, (32, 96), generator=gen, dtype=torch.int8))
+    scale = torch.rand(32, generator=gen)
+    outs = []
+    for lib in (fast, portable):
+        y4, y8 = torch.empty(9, 32), torch.empty(9, 32)
+        args = (x.data_ptr(), 9, 96, packed.data_ptr(), *(t.data_ptr() for t in tiles), 32)
+        assert lib.ls_gemm_q4(*args, y4.data_ptr()) == 0
+        args = (x.data_ptr(), 9, 96, q8.data_ptr(), scale.data_ptr(), 32, y8.data_ptr())
+        assert lib.ls_gemm_w8(*args) == 0
+        outs.append((y4, y8))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    has_vnni = "avx512_vnni" in native._cpu_flags().split()
+    assert fast.ls_gemm_q4_vnni() == int(has_vnni) and portable.ls_gemm_q4_vnni() == 0
+
+
+def test_w8_gemm_is_int8_weights_times_q8_inputs_and_rows_stand_alone(q4_lib, monkeypatch):
+    """The int8 weights (the int4 form's LM head) through the same integer dot products."""
+    from target_actor import linear
+    from target_actor.linear import Int8Linear
+
+    monkeypatch.setattr(linear, "native_q4_lib", lambda shape: q4_lib)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 96, generator=gen)
+    lin = Int8Linear(w)
+    assert lin.int_lib is q4_lib and lin.act == torch.float32
+    amax = w.abs().amax(1, keepdim=True)
+    scale = (amax / 127).double()
+    dense = (w / (amax / 127)).round().clamp(-127, 127).double() * scale
+    x = torch.randn(20, 96, generator=gen)
+    whole = lin(x)
+    ref = _q8_1(x) @ dense.t()
+    assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for lo, hi in ((0, 1), (2, 10), (9, 20)):
+        assert torch.equal(lin(x[lo:hi].contiguous()), whole[lo:hi])
