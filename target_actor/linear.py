@@ -1,17 +1,20 @@
 """GEMM weights in the form the CPU rewards: dense (fp32 / bf16) or weight-only int8 / int4.
 
 A decode step at small batch is memory-bound: its time is the bytes of weights it streams.
-So besides dense weights we keep two weight-only quantized forms with bf16 activations:
+So besides dense weights we keep two weight-only quantized forms:
 
 - ``int4``: groups of 32 weights along the input dim, the GGUF Q4_1 block ``w = d * q + m``
   with ``q`` in 0..15: a checkpoint dequantised from a Q4_1 file is re-quantised exactly.
-  With the C kernels built, ``csrc/q4.c`` multiplies by it with fp16 ``d``, ``m`` and
-  activations quantised per block of 32 to int8 (llama.cpp's Q4_1 x Q8 scheme), by integer
-  dot products: an extra row of a verify block or a decode batch costs little. Without
-  them, torch's ``_weight_int4pack_mm_for_cpu`` with bf16 activations and bf16 ``d``, ``m``.
-- ``int8``: one symmetric scale per output channel, by the C GEMM (``csrc/gemm.c``, fp32
-  out) when it is built, else ``_weight_int8pack_mm``. Under int4 the LM head is int8, and
-  at 1 / 8 / 32 rows the C GEMM takes it in about 0.4x / 0.5x / 0.35x torch's time.
+- ``int8``: with ``csrc/q4.c``, GGUF Q8_0 blocks (``w = d * q`` per 32 inputs); otherwise
+  one symmetric scale per output channel. Under int4 the LM head is int8 (a GGUF keeps its
+  embedding / output above 4 bits; SmolLM2's is Q8_0, so it too is multiplied exactly).
+
+With the C kernels built on a CPU with AVX512-VNNI, ``csrc/q4.c`` multiplies both by
+integer dot products with fp16 ``d`` (and ``m``), fp32 activations split per block of 32
+into two int8 planes (relative error ~3e-5, below bf16's): an extra row of a verify block
+or a decode batch costs about half what it does in fp32 multiply-adds. Otherwise torch's
+``_weight_int4pack_mm_for_cpu`` (bf16 activations and scales) and, for int8,
+``csrc/gemm.c`` or ``_weight_int8pack_mm``.
 
 All kernels compute every row independently of the others (checked in the tests), so a
 sequence's logits do not depend on what it is batched with, as with dense GEMMs.
@@ -155,6 +158,16 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP):
     return q, d, m + 8 * d
 
 
+def quantize_q8_0(weight: torch.Tensor, group: int = INT4_GROUP):
+    """Symmetric int8 per group of ``group`` inputs (GGUF Q8_0's rule): ``q`` ``[out, in]``
+    int8 and ``d`` ``[out, in/group]`` (fp16 values, in fp32) with ``w ~= d * q``."""
+    w = weight.float().reshape(weight.shape[0], -1, group)
+    d = (w.abs().amax(-1) / 127).half().float()
+    safe = torch.where(d > 0, d, torch.ones_like(d)).unsqueeze(-1)
+    q = (w / safe).round().clamp_(-127, 127).to(torch.int8)
+    return q.reshape(weight.shape), d
+
+
 def pack_q4(q: torch.Tensor) -> torch.Tensor:
     """``q`` ``[N, K]`` in 0..15 -> ``csrc/q4.c``'s tiles: for each 16 channels and 8 inputs
     64 bytes, byte ``4c + t`` = ``q[c, t]`` (low nibble) | ``q[c, 4 + t]`` (high nibble)."""
@@ -164,7 +177,7 @@ def pack_q4(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_w8(q: torch.Tensor) -> torch.Tensor:
-    """int8 ``q`` ``[N, K]`` -> ``csrc/q4.c``'s int8 tiles: for each 16 channels and 4 inputs
+    """int8 ``q`` ``[N, K]`` -> ``csrc/q4.c``'s Q8_0 tiles: for each 16 channels and 4 inputs
     64 bytes, byte ``4c + t`` = ``q[c, t] + 128`` (unsigned, as ``vpdpbusd`` takes it)."""
     N, K = q.shape
     t = (q.to(torch.int16) + 128).to(torch.uint8).view(N // 16, 16, K // 4, 4).transpose(1, 2)
@@ -181,7 +194,7 @@ class Int4Linear(_WeightOnly):
         self.out_features, self.in_features = weight.shape
         q, d, m = quantize_q4_1(weight)
         self.lib = native_q4_lib(weight.shape)
-        if self.lib is not None:  # csrc/q4.c: fp32 in, fp16 d and m (GGUF's), int8 dots
+        if self.lib is not None:  # csrc/q4.c: fp32 in, fp16 d and m (GGUF's), integer dots
             self.act = torch.float32
             self.packed = pack_q4(q)
             self.d, self.m = _tile_scales(d).half(), _tile_scales(m).half()
@@ -212,22 +225,23 @@ class Int4Linear(_WeightOnly):
 
 
 class Int8Linear(_WeightOnly):
-    """One symmetric scale per output channel. Three kernels, best first: ``csrc/q4.c``'s
-    integer dot products (activations int8 per block of 32, as the int4 layers), the C GEMM
-    of ``csrc/gemm.c`` (bf16 activations), torch's ``_weight_int8pack_mm``."""
+    """int8 weights. With ``csrc/q4.c`` (VNNI): GGUF Q8_0 blocks (an fp16 scale per 32
+    inputs; the grid of a dequantised Q8_0 tensor, like SmolLM2's embedding, comes back
+    exactly) by integer dot products, fp32 activations. Otherwise one scale per channel,
+    by ``csrc/gemm.c`` (bf16 activations) or torch's ``_weight_int8pack_mm``."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.float()
         self.out_features, self.in_features = w.shape
+        self.int_lib = native_q4_lib(weight.shape)
+        if self.int_lib is not None:
+            q, d = quantize_q8_0(w)
+            self.act, self.lib = torch.float32, self.int_lib
+            self.tiles, self.d = pack_w8(q), _tile_scales(d).half()
+            return
         amax = w.abs().amax(1, keepdim=True)
         scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
         self.q = (w / scale).round().clamp_(-127, 127).to(torch.int8).contiguous()
-        self.int_lib = native_q4_lib(weight.shape)
-        if self.int_lib is not None:
-            self.act, self.lib = torch.float32, self.int_lib
-            self.tiles, self.q = pack_w8(self.q), None
-            self.scale = scale.squeeze(1).contiguous()
-            return
         self.lib = native_gemm_lib(weight.shape)
         # the C kernel applies the fp32 scale to each sum; torch's takes it in bf16
         self.scale = scale.squeeze(1) if self.lib is not None else scale.squeeze(1).to(self.act)
@@ -237,7 +251,7 @@ class Int8Linear(_WeightOnly):
             M, K = x.shape
             y = torch.empty(M, self.out_features)
             rc = self.int_lib.ls_gemm_w8(
-                x.data_ptr(), M, K, self.tiles.data_ptr(), self.scale.data_ptr(),
+                x.data_ptr(), M, K, self.tiles.data_ptr(), self.d.data_ptr(),
                 self.out_features, y.data_ptr(),
             )  # fmt: skip
             if rc != 0:
@@ -249,8 +263,9 @@ class Int8Linear(_WeightOnly):
 
     @property
     def nbytes(self) -> int:
-        q = self.tiles if self.int_lib is not None else self.q
-        return q.numel() + self.scale.numel() * self.scale.element_size()
+        if self.int_lib is not None:
+            return self.tiles.numel() + self.d.numel() * 2
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
 
 
 def inference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,33 +1,37 @@
-/* The integer GEMMs: y[M, N] = x[M, K] @ W[N, K]^T, x fp32 quantised to int8 per block of
- * 32 inputs, W int4 (GGUF Q4_1 blocks: the int4 form's layers) or int8 (one scale per
- * channel: its LM head).
+/* The integer GEMMs of the quantized forms: y[M, N] = x[M, K] @ W[N, K]^T, x fp32, y fp32,
+ * W in GGUF blocks of 32 inputs, each with an fp16 scale d as the file stores it:
  *
- * Q4 W: blocks of 32 inputs, w = d * q + m with q in 0..15 and d, m fp16 per (channel, block),
- * as a GGUF file stores them (so a Q4_1 file's weights are multiplied exactly).
- * x: each row quantised per block of 32 (as llama.cpp's Q8 does): x ~= dx * qx with qx
- * int8 and dx = max|x| / 127, and sx = dx * sum(qx) (llama.cpp's Q8_1). Then
+ *   Q4 (Q4_1, the int4 form's layers):  w = d * q + m,  q in 0..15, m fp16 too
+ *   W8 (Q8_0, its LM head / embedding): w = d * q,      q in -127..127
  *
- *     y[r, n] = sum over blocks b of  d[n, b] * dx[r, b] * I[r, n, b]  +  m[n, b] * sx[r, b]
+ * so a GGUF's weights are multiplied exactly, not re-quantised.
  *
- * where I = sum of q * qx over the block is an exact int32: the product of the Q4_1
- * weights and the quantised x. (An exact sx would weigh x's rounding by d * q alone, which
- * is all of one sign, instead of by w: three times the error.)
+ * x: each row, per block of 32 inputs, as two int8 planes: x ~= dx * (q1 + q2 / 256) with
+ * dx = max|x| / 127, q1 = round(x / dx) and q2 = round((x / dx - q1) * 256). The second
+ * plane brings x's relative error from ~7e-3 (int8 alone, llama.cpp's Q8_1) to ~3e-5 of
+ * the block's largest value, below bf16's 1.5e-3: what reaches the logits is the weights'.
+ *
+ * Per (row r, channel n, block b), with the exact int32 sums I1 = sum q * q1, I2 = sum q * q2:
+ *
+ *   Q4: y += (d * dx) * float(256 I1 + I2) / 256... as fma(float(256 I1 + I2), d * dx / 256)
+ *       then y += m * sx,  sx = dx / 256 * (256 sum q1 + sum q2)   (|256 I1 + I2| < 2^24)
+ *   W8: y += fma(float(I1), d * dx) then fma(float(I2), d * dx / 256)
  *
  * Why: a verify block (k + 1 rows) and a batch of decode rows multiply by the same weights.
- * With fp32 multiply-adds after widening (torch's int4 kernel) each extra row costs as much
- * arithmetic as the first costs streaming, so 8 rows cost ~2.5x one row. Integer dot products
- * (AVX512-VNNI vpdpbusd: 64 multiply-adds an instruction, 4x an fp32 FMA) over weights
- * widened once per block and shared by up to 8 rows in registers bring an extra row close
- * to free at few rows, and cut prefill's arithmetic by ~4x.
+ * torch's int4 kernel widens them to fp32 and spends an FMA per 16 multiply-adds; AVX512-VNNI
+ * (vpdpbusd) does 64 byte products an instruction, on weights widened once per block and
+ * shared by up to 8 rows held in registers: extra rows cost about half as much, and prefill
+ * about a third.
  *
- * Exactness: I is exact; the float steps per (row, channel, block) are fixed (convert,
- * d * dx, fma, fma) and blocks are summed in order, so y[r, n] depends on row r's inputs only:
- * never on M, the row's place in the batch, the thread, or the code path (the portable path
- * below does the same integer sums and the same float steps, bit for bit).
+ * Exactness: the integer sums are exact and the float steps per (row, channel, block) are
+ * fixed and taken in block order, so y[r, n] depends on row r's inputs only: never on M, the
+ * row's place in the batch, the thread, or the code path (the portable path below does the
+ * same integer sums and float steps, bit for bit).
  *
- * Packed weights (``pack`` in linear.py): for each 16 channels n0.. and each 8 inputs
- * k0..k0+7, 64 bytes; byte 4c + t holds q[n0 + c, k0 + t] in its low nibble and
- * q[n0 + c, k0 + 4 + t] in its high one. d and m: fp16 bits, [N/16][K/32][16].
+ * Packed weights (pack_q4 / pack_w8 in linear.py), per tile of 16 channels:
+ *   Q4: per 8 inputs k0.., 64 bytes; byte 4c + t = q[c, k0 + t] | q[c, k0 + 4 + t] << 4;
+ *   W8: per 4 inputs k0.., 64 bytes; byte 4c + t = q[c, k0 + t] + 128 (unsigned);
+ *   d (and m): fp16 bits, [N/16][K/32][16].
  */
 #include <stdlib.h>
 
@@ -40,69 +44,81 @@
 #define LS_Q4_VNNI 0
 #endif
 
-#define QB 32      /* inputs per quantisation block */
+#define QB 32      /* inputs per block */
 #define CH 16      /* channels per packed tile */
-#define RB 8       /* rows sharing one pass over a tile's weights */
-#define MCHUNK 128 /* rows per sweep over all tiles (their int8 inputs stay in L2) */
+#define RB 6       /* rows sharing one pass over a tile's weights (registers: 3 a row) */
+#define MCHUNK 120 /* rows per sweep over all tiles (their int8 planes stay in L2) */
 
-/* row r of x [K] -> qx [K] int8, dx [K/QB], sx [K/QB], and qsum [K/QB] = sum(qx) */
-static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, float *sx,
-                         int32_t *qsum) {
-    for (int64_t b = 0; b < K / QB; b++) {
+enum { Q4 = 0, W8 = 1 };
+
+/* A sweep's rows, quantised: planes q1, q2 [rows][K]; per (row, block) dx, sx and the
+ * plane sums s1, s2 */
+typedef struct {
+    int8_t *q1, *q2;
+    float *dx, *sx;
+    int32_t *s1, *s2;
+    int64_t K, nb;
+} Rows;
+
+/* One tile of 16 channels */
+typedef struct {
+    const uint8_t *w;
+    const uint16_t *d, *m; /* m: Q4 only */
+} Tile;
+
+static void quantize_row(const float *x, const Rows *xs, int64_t r) {
+    const int64_t K = xs->K, nb = xs->nb;
+    for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QB;
+        int8_t *q1 = xs->q1 + r * K + b * QB, *q2 = xs->q2 + r * K + b * QB;
         float amax = 0.0f;
         for (int j = 0; j < QB; j++) {
             const float a = fabsf(xb[j]);
             amax = a > amax ? a : amax;
         }
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
+        int32_t s1 = 0, s2 = 0;
         for (int j = 0; j < QB; j++) {
-            qx[b * QB + j] = (int8_t)lrintf(xb[j] * inv);
-            sum += qx[b * QB + j];
+            const float u = xb[j] * inv, hi = rintf(u);
+            float lo = rintf((u - hi) * 256.0f);
+            lo = lo > 127.0f ? 127.0f : lo; /* (u - hi) is at most 1/2: 128 at worst */
+            q1[j] = (int8_t)hi;
+            q2[j] = (int8_t)lo;
+            s1 += q1[j];
+            s2 += q2[j];
         }
-        dx[b] = amax / 127.0f;
-        sx[b] = dx[b] * (float)sum;
-        qsum[b] = sum;
+        const float dx = amax / 127.0f;
+        xs->dx[r * nb + b] = dx;
+        xs->sx[r * nb + b] = dx * (1.0f / 256.0f) * (float)(256 * s1 + s2);
+        xs->s1[r * nb + b] = s1;
+        xs->s2[r * nb + b] = s2;
     }
 }
-
-/* Row inputs of one sweep, quantised: qx [rows][K], and per (row, block) dx, sx, qsum */
-typedef struct {
-    const int8_t *qx;
-    const float *dx, *sx;
-    const int32_t *qsum;
-    int64_t K, nb;
-} Rows;
-
-/* One tile's weights: Q4 (nibbles, fp16 d and m per block) or W8 (int8 + 128, one fp32
- * scale per channel). */
-enum { Q4 = 0, W8 = 1 };
-typedef struct {
-    int kind;
-    const uint8_t *w;
-    const uint16_t *d, *m; /* Q4 */
-    const float *scale;    /* W8 */
-} Tile;
 
 #if LS_Q4_VNNI
 static inline __m512 load_half(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
 /* R rows (a compile-time constant once inlined) against one tile of 16 channels */
 static inline __attribute__((always_inline)) void tile_rows(const int R, const int kind,
-                                                            const Tile *t, const Rows *x, float *y,
-                                                            int64_t ldy) {
+                                                            const Tile *t, const Rows *x,
+                                                            int64_t r0, float *y, int64_t ldy) {
     const int64_t nb = x->nb, K = x->K;
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512 inv256 = _mm512_set1_ps(1.0f / 256.0f);
     __m512 acc[RB];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512i isum[RB];
-        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
-        /* 8 dot steps of 4 inputs for each of the 16 channels */
-        for (int o = 0; o < QB / 8; o++) {
+        __m512i i1[RB], i2[RB];
+        for (int r = 0; r < R; r++) i1[r] = i2[r] = _mm512_setzero_si512();
+        for (int o = 0; o < QB / 8; o++) { /* 8 inputs of each of the 16 channels */
             __m512i w0, w1;
             if (kind == Q4) {
                 const __m512i v = _mm512_loadu_si512((const void *)(t->w + (b * 4 + o) * 64));
@@ -113,49 +129,45 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
                 w1 = _mm512_loadu_si512((const void *)(t->w + (b * 8 + 2 * o + 1) * 64));
             }
             for (int r = 0; r < R; r++) {
-                const int8_t *xr = x->qx + r * K + b * QB + o * 8;
-                int32_t x0, x1;
-                memcpy(&x0, xr, 4);
-                memcpy(&x1, xr + 4, 4);
-                isum[r] = _mm512_dpbusd_epi32(isum[r], w0, _mm512_set1_epi32(x0));
-                isum[r] = _mm512_dpbusd_epi32(isum[r], w1, _mm512_set1_epi32(x1));
+                const int64_t at = (r0 + r) * K + b * QB + o * 8;
+                i1[r] = _mm512_dpbusd_epi32(i1[r], w0, bcast4(x->q1 + at));
+                i1[r] = _mm512_dpbusd_epi32(i1[r], w1, bcast4(x->q1 + at + 4));
+                i2[r] = _mm512_dpbusd_epi32(i2[r], w0, bcast4(x->q2 + at));
+                i2[r] = _mm512_dpbusd_epi32(i2[r], w1, bcast4(x->q2 + at + 4));
             }
         }
+        const __m512 dv = load_half(t->d + b * CH);
         if (kind == Q4) {
-            const __m512 dv = load_half(t->d + b * CH), mv = load_half(t->m + b * CH);
+            const __m512 mv = load_half(t->m + b * CH);
             for (int r = 0; r < R; r++) {
-                const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[r * nb + b]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), s, acc[r]);
-                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->sx[r * nb + b]), acc[r]);
+                const int64_t at = (r0 + r) * nb + b;
+                const __m512i whole = _mm512_add_epi32(_mm512_slli_epi32(i1[r], 8), i2[r]);
+                const __m512 s = _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at])), inv256);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), s, acc[r]);
+                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->sx[at]), acc[r]);
             }
         } else {
-            for (int r = 0; r < R; r++) {
-                const __m512i bias = _mm512_set1_epi32(128 * x->qsum[r * nb + b]);
-                const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], bias));
-                acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(x->dx[r * nb + b]), acc[r]);
+            for (int r = 0; r < R; r++) { /* the weights came +128: take 128 * sum(plane) */
+                const int64_t at = (r0 + r) * nb + b;
+                const __m512i d1 = _mm512_sub_epi32(i1[r], _mm512_set1_epi32(128 * x->s1[at]));
+                const __m512i d2 = _mm512_sub_epi32(i2[r], _mm512_set1_epi32(128 * x->s2[at]));
+                const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s, acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_mul_ps(s, inv256), acc[r]);
             }
         }
-    }
-    if (kind == W8) {
-        const __m512 sv = _mm512_loadu_ps(t->scale);
-        for (int r = 0; r < R; r++) acc[r] = _mm512_mul_ps(acc[r], sv);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-static void tile(int rows, const Tile *t, const Rows *x, float *y, int64_t ldy) {
+static void tile(int kind, int rows, const Tile *t, const Rows *x, int64_t r0, float *y,
+                 int64_t ldy) {
 #define ROWS(R, KIND) \
-    case R: tile_rows(R, KIND, t, x, y, ldy); break;
-    if (t->kind == Q4) {
-        switch (rows) {
-            ROWS(1, Q4) ROWS(2, Q4) ROWS(3, Q4) ROWS(4, Q4)
-            ROWS(5, Q4) ROWS(6, Q4) ROWS(7, Q4) ROWS(8, Q4)
-        }
+    case R: tile_rows(R, KIND, t, x, r0, y, ldy); break;
+    if (kind == Q4) {
+        switch (rows) { ROWS(1, Q4) ROWS(2, Q4) ROWS(3, Q4) ROWS(4, Q4) ROWS(5, Q4) ROWS(6, Q4) }
     } else {
-        switch (rows) {
-            ROWS(1, W8) ROWS(2, W8) ROWS(3, W8) ROWS(4, W8)
-            ROWS(5, W8) ROWS(6, W8) ROWS(7, W8) ROWS(8, W8)
-        }
+        switch (rows) { ROWS(1, W8) ROWS(2, W8) ROWS(3, W8) ROWS(4, W8) ROWS(5, W8) ROWS(6, W8) }
     }
 #undef ROWS
 }
@@ -175,9 +187,9 @@ static inline float half_f32(uint16_t h) {
     return sign ? -v : v;
 }
 
-/* weight (channel c, input j of block b's step o: j < 4 the first half) as unsigned */
-static inline int32_t weight_at(const Tile *t, int64_t b, int o, int c, int j) {
-    if (t->kind == Q4) {
+/* the stored (unsigned) weight of channel c at input j of block b's 8-input step o */
+static inline int32_t weight_at(int kind, const Tile *t, int64_t b, int o, int c, int j) {
+    if (kind == Q4) {
         const uint8_t v = t->w[(b * 4 + o) * 64 + 4 * c + (j & 3)];
         return j < 4 ? (v & 15) : (v >> 4);
     }
@@ -185,86 +197,88 @@ static inline int32_t weight_at(const Tile *t, int64_t b, int o, int c, int j) {
 }
 
 /* the same integer sums and float steps, one row at a time */
-static void tile(int rows, const Tile *t, const Rows *x, float *y, int64_t ldy) {
+static void tile(int kind, int rows, const Tile *t, const Rows *x, int64_t r0, float *y,
+                 int64_t ldy) {
     const int64_t nb = x->nb, K = x->K;
     for (int r = 0; r < rows; r++) {
         float acc[CH] = {0};
         for (int64_t b = 0; b < nb; b++) {
-            int32_t isum[CH] = {0};
+            int32_t i1[CH] = {0}, i2[CH] = {0};
             for (int o = 0; o < QB / 8; o++) {
-                const int8_t *xr = x->qx + r * K + b * QB + o * 8;
+                const int64_t at = (r0 + r) * K + b * QB + o * 8;
                 for (int c = 0; c < CH; c++)
-                    for (int j = 0; j < 8; j++) isum[c] += weight_at(t, b, o, c, j) * xr[j];
+                    for (int j = 0; j < 8; j++) {
+                        const int32_t w = weight_at(kind, t, b, o, c, j);
+                        i1[c] += w * x->q1[at + j];
+                        i2[c] += w * x->q2[at + j];
+                    }
             }
-            const float dxb = x->dx[r * nb + b], sxb = x->sx[r * nb + b];
+            const int64_t at = (r0 + r) * nb + b;
             for (int c = 0; c < CH; c++) {
-                if (t->kind == Q4) {
-                    acc[c] = fmaf((float)isum[c], half_f32(t->d[b * CH + c]) * dxb, acc[c]);
-                    acc[c] = fmaf(half_f32(t->m[b * CH + c]), sxb, acc[c]);
+                const float dxd = half_f32(t->d[b * CH + c]) * x->dx[at];
+                if (kind == Q4) {
+                    acc[c] = fmaf((float)(i1[c] * 256 + i2[c]), dxd * (1.0f / 256.0f), acc[c]);
+                    acc[c] = fmaf(half_f32(t->m[b * CH + c]), x->sx[at], acc[c]);
                 } else {
-                    const float dot = (float)(isum[c] - 128 * x->qsum[r * nb + b]);
-                    acc[c] = fmaf(dot, dxb, acc[c]);
+                    acc[c] = fmaf((float)(i1[c] - 128 * x->s1[at]), dxd, acc[c]);
+                    acc[c] = fmaf((float)(i2[c] - 128 * x->s2[at]), dxd * (1.0f / 256.0f), acc[c]);
                 }
             }
         }
-        for (int c = 0; c < CH; c++) y[r * ldy + c] = t->kind == W8 ? acc[c] * t->scale[c] : acc[c];
+        for (int c = 0; c < CH; c++) y[r * ldy + c] = acc[c];
     }
 }
 #endif
 
-/* The driver of both kinds: x [M, K] fp32 -> y [M, N] fp32. */
+/* The driver of both kinds: x [M, K] fp32 -> y [M, N] fp32. Needs K % 32 == 0 and
+ * N % 16 == 0 (the caller checks). Returns 0, or -1 when out of memory. */
 static int gemm(int kind, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                const uint16_t *d, const uint16_t *m, const float *scale, int64_t N, float *y) {
+                const uint16_t *d, const uint16_t *m, int64_t N, float *y) {
     const int64_t nb = K / QB, rows_max = M < MCHUNK ? M : MCHUNK;
-    int8_t *qx = malloc((size_t)(rows_max * K));
-    float *dsx = malloc(sizeof(float) * (size_t)(2 * rows_max * nb));
-    int32_t *qsum = malloc(sizeof(int32_t) * (size_t)(rows_max * nb));
-    if (qx == NULL || dsx == NULL || qsum == NULL) {
-        free(qx);
-        free(dsx);
-        free(qsum);
+    int8_t *planes = malloc((size_t)(2 * rows_max * K));
+    float *scales = malloc(sizeof(float) * (size_t)(2 * rows_max * nb));
+    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(2 * rows_max * nb));
+    if (planes == NULL || scales == NULL || sums == NULL) {
+        free(planes);
+        free(scales);
+        free(sums);
         return -1;
     }
-    float *dx = dsx, *sx = dsx + rows_max * nb;
+    const Rows xs = {planes, planes + rows_max * K, scales, scales + rows_max * nb,
+                     sums,   sums + rows_max * nb,  K,      nb};
     const int64_t tile_bytes = kind == Q4 ? K / 2 * CH : K * CH;
     for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
         const int64_t rows = M - m0 < MCHUNK ? M - m0 : MCHUNK;
 #pragma omp parallel
         {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++)
-                quantize_row(x + (m0 + r) * K, K, qx + r * K, dx + r * nb, sx + r * nb,
-                             qsum + r * nb);
+            for (int64_t r = 0; r < rows; r++) quantize_row(x + (m0 + r) * K, &xs, r);
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N / CH; n++) {
-                const Tile t = {kind, w + n * tile_bytes, d ? d + n * nb * CH : NULL,
-                                m ? m + n * nb * CH : NULL, scale ? scale + n * CH : NULL};
+                const Tile t = {w + n * tile_bytes, d + n * nb * CH, m ? m + n * nb * CH : NULL};
                 for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-                    const Rows xs = {qx + r0 * K, dx + r0 * nb, sx + r0 * nb, qsum + r0 * nb, K, nb};
                     const int count = rows - r0 < RB ? (int)(rows - r0) : RB;
-                    tile(count, &t, &xs, y + (m0 + r0) * N + n * CH, N);
+                    tile(kind, count, &t, &xs, r0, y + (m0 + r0) * N + n * CH, N);
                 }
             }
         }
     }
-    free(qx);
-    free(dsx);
-    free(qsum);
+    free(planes);
+    free(scales);
+    free(sums);
     return 0;
 }
 
-/* Q4_1 weights (tiles above), d and m fp16 [N/16][K/32][16]. Needs K % 32 == 0 and
- * N % 16 == 0 (the caller checks). Returns 0, or -1 when out of memory. */
+/* Q4_1 weights: tiles, d and m */
 int ls_gemm_q4(const float *x, int64_t M, int64_t K, const uint8_t *wq, const uint16_t *d,
                const uint16_t *m, int64_t N, float *y) {
-    return gemm(Q4, x, M, K, wq, d, m, NULL, N, y);
+    return gemm(Q4, x, M, K, wq, d, m, N, y);
 }
 
-/* int8 weights with one scale per channel (w = scale * q), as tiles of 16 channels x 4
- * inputs: byte 4c + t of step j = q[n0 + c, 4j + t] + 128; scale fp32 [N]. */
-int ls_gemm_w8(const float *x, int64_t M, int64_t K, const uint8_t *wq, const float *scale,
+/* Q8_0 weights: tiles, d */
+int ls_gemm_w8(const float *x, int64_t M, int64_t K, const uint8_t *wq, const uint16_t *d,
                int64_t N, float *y) {
-    return gemm(W8, x, M, K, wq, NULL, NULL, scale, N, y);
+    return gemm(W8, x, M, K, wq, d, NULL, N, y);
 }
 
 /* 1 when this build multiplies by VNNI integer dot products, 0 on the portable path */

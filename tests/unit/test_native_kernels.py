@@ -240,12 +240,15 @@ def test_inference_linear_is_the_c_gemm_without_grads_and_torch_with_them():
     assert (fast - x.bfloat16().float() @ w.detach().float().t()).abs().max() <= 1e-4
 
 
-def _q8_1(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``csrc/q4.c`` sees it: per block of 32, int8 levels of max|x| / 127."""
-    blocks = x.double().view(x.shape[0], -1, 32)
+def _two_planes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``csrc/q4.c`` sees it: per block of 32, ``dx * (q1 + q2 / 256)`` with
+    ``dx = max|x| / 127`` and two int8 planes."""
+    blocks = x.view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    q = torch.round(blocks.float() * (127.0 / amax.float())).double()
-    return (q * (amax.float() / 127.0).double()).view_as(x)
+    u = blocks * (127.0 / amax)
+    hi = torch.round(u)
+    lo = torch.round((u - hi) * 256).clamp(max=127)
+    return ((hi.double() + lo.double() / 256) * (amax / 127.0).double()).view_as(x)
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
@@ -256,7 +259,7 @@ def q4_lib(request):
     return native.build_variant(("-mno-avx512vnni",))
 
 
-def test_q4_gemm_is_q4_1_weights_times_q8_inputs_and_rows_stand_alone(q4_lib, monkeypatch):
+def test_q4_gemm_is_q4_1_weights_times_the_inputs_and_rows_stand_alone(q4_lib, monkeypatch):
     """The int4 GEMM multiplies the exact Q4_1 weights (fp16 d, m) by each row quantised per
     block of 32, on both paths, and a row's result never depends on its batch."""
     from target_actor import linear
@@ -272,7 +275,7 @@ def test_q4_gemm_is_q4_1_weights_times_q8_inputs_and_rows_stand_alone(q4_lib, mo
     d, m = d.half().double().repeat_interleave(32, 1), m.half().double().repeat_interleave(32, 1)
     x = torch.randn(150, K, generator=gen)  # 150 rows: two sweeps of 128, a ragged last tile
     whole = lin(x)
-    ref = _q8_1(x) @ (d * q + m).t()
+    ref = _two_planes(x) @ (d * q + m).t()
     assert whole.dtype == torch.float32 and whole.shape == (150, N)
     assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     for lo, hi in ((0, 1), (3, 11), (5, 6), (7, 16), (128, 150)):
@@ -281,7 +284,7 @@ def test_q4_gemm_is_q4_1_weights_times_q8_inputs_and_rows_stand_alone(q4_lib, mo
 
 def test_q4_gemm_paths_agree_bit_for_bit():
     """Exact integer sums and the same float steps: a machine with VNNI and one without
-    compute the same bits."""
+    compute the same bits (for a model whose every linear fits the kernel)."""
     from target_actor.linear import pack_q4, pack_w8, quantize_q4_1
 
     fast, portable = native.library(), native.build_variant(("-mno-avx512vnni",))
@@ -291,13 +294,13 @@ def test_q4_gemm_paths_agree_bit_for_bit():
     tiles = [s.view(2, 16, 3).transpose(1, 2).contiguous().half() for s in (d, m)]
     packed = pack_q4(q)
     q8 = pack_w8(torch.randint(-127, 128, (32, 96), generator=gen, dtype=torch.int8))
-    scale = torch.rand(32, generator=gen)
+    d8 = tiles[0].clone()  # any fp16 scales of the tile shape
     outs = []
     for lib in (fast, portable):
         y4, y8 = torch.empty(9, 32), torch.empty(9, 32)
         args = (x.data_ptr(), 9, 96, packed.data_ptr(), *(t.data_ptr() for t in tiles), 32)
         assert lib.ls_gemm_q4(*args, y4.data_ptr()) == 0
-        args = (x.data_ptr(), 9, 96, q8.data_ptr(), scale.data_ptr(), 32, y8.data_ptr())
+        args = (x.data_ptr(), 9, 96, q8.data_ptr(), d8.data_ptr(), 32, y8.data_ptr())
         assert lib.ls_gemm_w8(*args) == 0
         outs.append((y4, y8))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
@@ -305,22 +308,25 @@ def test_q4_gemm_paths_agree_bit_for_bit():
     assert fast.ls_gemm_q4_vnni() == int(has_vnni) and portable.ls_gemm_q4_vnni() == 0
 
 
-def test_w8_gemm_is_int8_weights_times_q8_inputs_and_rows_stand_alone(q4_lib, monkeypatch):
-    """The int8 weights (the int4 form's LM head) through the same integer dot products."""
+def test_w8_gemm_is_q8_0_weights_times_the_inputs_and_rows_stand_alone(q4_lib, monkeypatch):
+    """int8 weights (the int4 form's LM head) as GGUF Q8_0 blocks: a dequantised Q8_0 grid
+    comes back exactly, and goes through the same integer dot products."""
     from target_actor import linear
-    from target_actor.linear import Int8Linear
+    from target_actor.linear import Int8Linear, quantize_q8_0
 
     monkeypatch.setattr(linear, "native_q4_lib", lambda shape: q4_lib)
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(64, 96, generator=gen)
+    q = torch.randint(-127, 128, (64, 96), generator=gen)
+    q[:, 0::32] = 127  # each block reaches its scale, as a Q8_0 quantiser leaves it
+    d = (torch.rand(64, 3, generator=gen) * 0.01 + 1e-3).half().float()
+    w = d.repeat_interleave(32, 1) * q
+    q_back, d_back = quantize_q8_0(w)
+    assert torch.equal(q_back.long(), q) and torch.equal(d_back, d)
     lin = Int8Linear(w)
     assert lin.int_lib is q4_lib and lin.act == torch.float32
-    amax = w.abs().amax(1, keepdim=True)
-    scale = (amax / 127).double()
-    dense = (w / (amax / 127)).round().clamp(-127, 127).double() * scale
     x = torch.randn(20, 96, generator=gen)
     whole = lin(x)
-    ref = _q8_1(x) @ dense.t()
+    ref = _two_planes(x) @ w.double().t()
     assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     for lo, hi in ((0, 1), (2, 10), (9, 20)):
         assert torch.equal(lin(x[lo:hi].contiguous()), whole[lo:hi])
