@@ -126,10 +126,16 @@ class KVCache:
         seq.data[layer, 0, :, start : start + n] = k.transpose(0, 1)
         seq.data[layer, 1, :, start : start + n] = v.transpose(0, 1)
 
-    def view(self, layer: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[kv_heads, length, head_dim]`` (views into the cache)."""
+    def view(
+        self, layer: int, seq_id: int, length: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[kv_heads, length, head_dim]``: views into the cache, or copies in
+        ``dtype`` when the cache holds another (a bf16 cache read by fp32 queries)."""
         data = self.seqs[seq_id].data
-        return data[layer, 0, :, :length], data[layer, 1, :, :length]
+        k, v = data[layer, 0, :, :length], data[layer, 1, :, :length]
+        if dtype is not None and dtype != data.dtype:
+            return k.to(dtype), v.to(dtype)
+        return k, v
 
     def set_length(self, seq_id: int, length: int) -> None:
         self.seqs[seq_id].length = length

@@ -43,6 +43,7 @@ class _AttnPlan:
         self, batch: ForwardBatch, group: int, cache: KVCache, lib=None, row_exact: bool = False
     ) -> None:
         self.row_exact = row_exact
+        self.kv_bf16 = int(cache.dtype == torch.bfloat16)  # the C kernel reads / writes bf16
         self.items: list[tuple[int, int, int, int, torch.Tensor | None]] = []
         native_rows: list[tuple[int, int, int, int, int]] = []
         off = 0
@@ -187,14 +188,14 @@ class DecoderLayer(nn.Module):
             cache.write(layer_id, seq_id, start, k[off : off + n], v[off : off + n])
             if plan.row_exact and 1 < n <= EXACT_ROWS:
                 for i in range(off, off + n):
-                    keys, values = cache.view(layer_id, seq_id, start + i - off + 1)
+                    keys, values = cache.view(layer_id, seq_id, start + i - off + 1, q.dtype)
                     qs = q[i : i + 1].transpose(0, 1).reshape(1, self.kv_heads, group, hd)
                     o = F.scaled_dot_product_attention(
                         qs, keys[None], values[None], scale=self.scale
                     )
                     out[i] = o.reshape(-1)
                 continue
-            keys, values = cache.view(layer_id, seq_id, start + n)  # [kv_heads, L, hd]
+            keys, values = cache.view(layer_id, seq_id, start + n, q.dtype)  # [kv_heads, L, hd]
             # fold the query heads of one KV group together: [1, kv_heads, group * n, hd];
             # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to ~15 small ops)
             qs = q[off : off + n].transpose(0, 1).reshape(1, self.kv_heads, group * n, hd)
@@ -226,6 +227,7 @@ class DecoderLayer(nn.Module):
             self.kv_heads,
             self.cfg.head_dim,
             self.scale,
+            plan.kv_bf16,
         )
         if rc != 0:
             raise RuntimeError(f"native attention failed ({rc})")

@@ -111,9 +111,10 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
     signatures = {
         # q, k, v (+ row strides), out, sequences, base, cap, start, nnew, row0, layer,
         # heads, kv_heads, head_dim, scale
-        "ls_attend": [*(_PTR, _I64) * 3, _PTR, _I64, *(_PTR,) * 5, _I64, i32, i32, i32, f32],
+        "ls_attend": [*(_PTR, _I64) * 3, _PTR, _I64, *(_PTR,) * 5, _I64, i32, i32, i32, f32, i32],
         # h, y, y_bf16, w, eps, out, out_bf16, rows, n
         "ls_add_rms_norm": [_PTR, _PTR, i32, _PTR, f32, _PTR, i32, _I64, _I64],
+        # ... kv_bf16 (the cache holds bf16)
         # qkv, bf16, stride, bias, q_norm, k_norm, eps, cos, sin, q, k, v, rows, heads,
         # kv_heads, head_dim
         "ls_qkv_rope": [_PTR, i32, _I64, *(_PTR,) * 3, f32, *(_PTR,) * 5, _I64, i32, i32, i32],

@@ -20,7 +20,7 @@ from target_actor.kv_cache import KVCache, KVCacheFull
 from target_actor.linear import WeightForm
 from target_actor.model import TargetModel
 from target_actor.parallel import TPContext
-from target_actor.weight_choice import check_form_names, choose
+from target_actor.weight_choice import DTYPES, check_form_names, check_kv_dtype, choose
 from target_actor.weights import CheckpointReader
 
 log = logging.getLogger("longspark.target")
@@ -38,10 +38,12 @@ class TargetSpec:
     tap_layer_ids: tuple[int, ...] | None = None  # the drafter's taps; default evenly spaced
     num_threads: int | None = None
     packed_rows: tuple[int, ...] = (8, 16)  # row counts whose GEMM weights MKL pre-packs
+    kv_dtype: str = "auto"  # the KV cache: auto (= dtype), float32, bfloat16
 
     def __post_init__(self) -> None:
         try:
             check_form_names(self.dtype, self.quant)
+            check_kv_dtype(self.kv_dtype)
         except ValueError as exc:
             raise TargetConfigError(str(exc)) from None
         if self.kv_cache_tokens < 16:
@@ -93,7 +95,7 @@ class TargetRunner:
             model.local_kv_heads,
             self.cfg.head_dim,
             spec.kv_cache_tokens,
-            dtype=dtype,
+            dtype=dtype if spec.kv_dtype == "auto" else DTYPES[spec.kv_dtype],
         )
         self.dtype = dtype
         log.info(

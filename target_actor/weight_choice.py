@@ -77,6 +77,15 @@ def check_form_names(dtype: str, quant: str) -> None:
         raise ValueError(f"unknown quantization {quant!r}; choose from auto, {', '.join(QUANTS)}")
 
 
+KV_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    """One-line ``ValueError`` for a ``--kv-dtype`` other than auto, float32, bfloat16."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
+
+
 def choose(dtype: str, quant: str, shape: tuple[int, int]) -> Choice:
     """Resolve ``auto`` in ``dtype`` / ``quant`` by measurement (see the module doc).
 

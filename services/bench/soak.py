@@ -8,7 +8,9 @@ requests: how many finished, failed, and their TPOT and latency percentiles.
 
 After ``warmup_s`` the memory should stay flat: :attr:`SoakReport.passed` needs zero
 failed requests, every process's RSS at the end within ``max_growth`` of its value at the
-end of warm-up, and the object store back within a small slack of where it started.
+end of warm-up, and the object store back within a small slack of where it started once
+the load has stopped (it is read until it settles, for up to ``settle_s``: the last
+requests' objects are freed a moment after their answers arrive).
 Processes that start or end during the run (Ray's pooled workers) are not judged.
 """
 
@@ -41,6 +43,7 @@ class SoakConfig:
     sampled_fraction: float = 0.3
     max_growth: float = 0.05  # RSS after warm-up may grow this fraction at most
     request_timeout_s: float = 300.0
+    settle_s: float = 30.0  # after the load: how long the object store may take to drain
     api_key: str | None = None
     seed: int = 0
 
@@ -145,6 +148,19 @@ async def _object_store(c: httpx.AsyncClient) -> int | None:
     return store["bytes_used"] if store else None
 
 
+async def _settled_store(c: httpx.AsyncClient, start: int | None, settle_s: float) -> int | None:
+    """The object store's bytes once back within the slack of ``start``, or its last value
+    after ``settle_s``."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        store = await _object_store(c)
+        if start is None or store is None or store <= start + OBJECT_STORE_SLACK:
+            return store
+        if time.monotonic() >= deadline:
+            return store
+        await asyncio.sleep(0.5)
+
+
 async def run_async(cfg: SoakConfig) -> SoakReport:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     report = SoakReport(max_growth=cfg.max_growth)
@@ -198,7 +214,7 @@ async def run_async(cfg: SoakConfig) -> SoakReport:
         await asyncio.gather(*(client(i) for i in range(cfg.concurrency)))
         sampling.cancel()
         await sample()  # the last, partial window
-        storeN = await _object_store(c)
+        storeN = await _settled_store(c, store0, cfg.settle_s)
     report.object_store_growth = (storeN or 0) - (store0 or 0) if store0 is not None else 0
     report.rss_growth = rss_growth(report.samples, cfg.warmup_s)
     return report

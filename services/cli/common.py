@@ -24,6 +24,11 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="GEMM weights: auto (timed at start), none, int8, int4 (GGUF Q4_1's grid)",
     )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="KV cache: auto (as --dtype), float32, bfloat16 (half the bytes attention reads)",
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +75,7 @@ def engine_options(args: argparse.Namespace):
         tp=args.tp,
         dtype=args.dtype,
         quant=args.quant,
+        kv_dtype=args.kv_dtype,
         mode=getattr(args, "mode", "ar"),
         drafter=getattr(args, "drafter", None),
         k=getattr(args, "k", None),

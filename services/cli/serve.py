@@ -74,6 +74,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--quant", default=None, help="GEMM weights: auto, none, int8, int4")
     model.add_argument(
+        "--kv-dtype", default=None, help="KV cache: auto (as --dtype), float32, bfloat16"
+    )
+    model.add_argument(
         "--generation-config",
         default=None,
         help="sampling defaults: auto (the model's generation_config.json), vllm (none)"

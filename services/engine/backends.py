@@ -16,7 +16,7 @@ from services.engine.tokenizer import Tokenizer
 from target_actor.checkpoint import resolve_target
 from target_actor.config import ModelConfig
 from target_actor.runner import TargetSpec
-from target_actor.weight_choice import check_form_names
+from target_actor.weight_choice import check_form_names, check_kv_dtype
 
 log = logging.getLogger("longspark.backends")
 
@@ -38,6 +38,9 @@ class EngineOptions(BaseModel):
         "auto", description="target activations / KV / dense weights: auto, float32, bfloat16"
     )
     quant: str = Field("auto", description="target GEMM weights: auto, none, int8, int4")
+    kv_dtype: str = Field(
+        "auto", description="the target's KV cache: auto (as dtype), float32, bfloat16"
+    )
     mode: Literal["spec", "ar"] = Field("spec", description="speculative or plain decoding")
     drafter: str | None = Field(
         None,
@@ -67,11 +70,18 @@ class EngineOptions(BaseModel):
         check_form_names("auto", v)
         return v
 
+    @field_validator("kv_dtype")
+    @classmethod
+    def _known_kv_dtype(cls, v: str) -> str:
+        check_kv_dtype(v)
+        return v
+
     def target_spec(self, **extra: Any) -> TargetSpec:
         return TargetSpec(
             str(self.target),
             dtype=self.dtype,
             quant=self.quant,
+            kv_dtype=self.kv_dtype,
             kv_cache_tokens=self.kv_cache_tokens,
             **extra,
         )

@@ -36,6 +36,7 @@ OVERRIDES = {
     "max_num_seqs": "max_num_seqs",
     "dtype": "dtype",
     "quant": "quant",
+    "kv_dtype": "kv_dtype",
     "min_replicas": "min_replicas",
     "max_replicas": "max_replicas",
     "ingress": "ingress",

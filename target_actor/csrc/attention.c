@@ -8,8 +8,11 @@
  * one request's numbers independent of the batch it rides in.
  *
  * Cache layout (target_actor/kv_cache.py): one contiguous block per sequence,
- * [layers, 2, kv_heads, capacity, head_dim] fp32. New K/V rows are written into the
- * cache here before attending. Threads: OpenMP (the same libgomp torch loaded).
+ * [layers, 2, kv_heads, capacity, head_dim], fp32 or bf16 (half the bytes to read at high
+ * load and long context; rows rounded to nearest even as torch rounds them, and widened
+ * exactly on reading, so the arithmetic is the same fp32 either way). New K/V rows are
+ * written into the cache here before attending. Threads: OpenMP (the same libgomp torch
+ * loaded).
  */
 #include <stdlib.h>
 
@@ -33,8 +36,39 @@ static inline float lane_sum(const float *x, int n) {
     return fold(acc);
 }
 
+/* fp32 -> bf16 bits, rounded to nearest even (NaN kept a NaN) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* a cache row's d values, fp32 or bf16 bits (bf), widened into out */
+static inline void widen_row(const void *row, int bf, int d, float *out) {
+    if (!bf) {
+        memcpy(out, row, sizeof(float) * (size_t)d);
+        return;
+    }
+    for (int i = 0; i < d; i++) out[i] = from_bf16(((const uint16_t *)row)[i]);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+/* 16 cache values from element i of row base (fp32, or bf16 bits widened exactly) */
+static inline __m512 load16(const void *base, int64_t i, int bf) {
+    if (!bf) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
 
 /* fold() of 16 vectors at once: out[j] = fold(v[j]), by the same pairwise adds (lane l
  * with l + 8, then + 4, + 2, + 1) arranged as a transpose, so each score is bit for bit
@@ -57,8 +91,9 @@ static inline __m512 fold16(const __m512 *v) {
     return _mm512_permutexvar_ps(order, z);
 }
 
-/* the 16 scores of keys k[0], k[d], ..., k[15 d] */
-static inline __m512 scores16(const float *q, const float *k, int d) {
+/* the 16 scores of keys k[0], k[d], ..., k[15 d] (fp32, or bf16 bits when bf) */
+static inline __attribute__((always_inline)) __m512 scores16(const float *q, const void *k,
+                                                             int bf, int d) {
     __m512 v[16];
 #pragma GCC unroll 16
     for (int t = 0; t < 16; t++) v[t] = _mm512_setzero_ps();
@@ -66,41 +101,46 @@ static inline __m512 scores16(const float *q, const float *k, int d) {
         const __m512 qi = _mm512_loadu_ps(q + i);
 #pragma GCC unroll 16
         for (int t = 0; t < 16; t++)
-            v[t] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(k + (int64_t)t * d + i), v[t]);
+            v[t] = _mm512_fmadd_ps(qi, load16(k, (int64_t)t * d + i, bf), v[t]);
     }
     return fold16(v);
 }
 
 /* s[j] = dot(q, keys[j]) * scale for j < len, 16 keys at a time; a short last group is
- * copied next to zeros (pad: 16 * d floats) */
-static void scores_of(const float *q, const float *keys, int64_t len, int d, float scale,
-                      float *s, float *pad) {
+ * widened next to zeros (pad: 16 * d floats) */
+static void scores_of(const float *q, const void *keys, int bf, int64_t len, int d,
+                      float scale, float *s, float *pad) {
     const __m512 sc = _mm512_set1_ps(scale);
+    const size_t esize = bf ? 2 : 4;
     int64_t j0 = 0;
-    for (; j0 + 16 <= len; j0 += 16)
-        _mm512_storeu_ps(s + j0, _mm512_mul_ps(scores16(q, keys + j0 * d, d), sc));
+    for (; j0 + 16 <= len; j0 += 16) {
+        const void *k = (const char *)keys + (size_t)(j0 * d) * esize;
+        const __m512 dots = bf ? scores16(q, k, 1, d) : scores16(q, k, 0, d);
+        _mm512_storeu_ps(s + j0, _mm512_mul_ps(dots, sc));
+    }
     const int n = (int)(len - j0);
     if (n > 0) {
-        memcpy(pad, keys + j0 * d, sizeof(float) * (size_t)(n * d));
+        for (int t = 0; t < n; t++)
+            widen_row((const char *)keys + (size_t)((j0 + t) * d) * esize, bf, d, pad + t * d);
         memset(pad + n * d, 0, sizeof(float) * (size_t)((16 - n) * d));
-        const __m512 dots = _mm512_mul_ps(scores16(q, pad, d), sc);
+        const __m512 dots = _mm512_mul_ps(scores16(q, pad, 0, d), sc);
         _mm512_mask_storeu_ps(s + j0, (__mmask16)((1u << n) - 1), dots);
     }
 }
 
 /* o = sum_j p[j] * values[j] (in order of j), times inv; four vectors of o at a time */
-static void weigh_values(const float *p, const float *values, int64_t len, int d, float inv,
-                         float *o) {
+static void weigh_values(const float *p, const void *values, int bf, int64_t len, int d,
+                         float inv, float *o) {
     int i0 = 0;
     for (; i0 + 64 <= d; i0 += 64) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t j = 0; j < len; j++) {
             const __m512 pj = _mm512_set1_ps(p[j]);
-            const float *v = values + j * d + i0;
-            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v), a0);
-            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16), a1);
-            a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 32), a2);
-            a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 48), a3);
+            const int64_t at = j * d + i0;
+            a0 = _mm512_fmadd_ps(pj, load16(values, at, bf), a0);
+            a1 = _mm512_fmadd_ps(pj, load16(values, at + 16, bf), a1);
+            a2 = _mm512_fmadd_ps(pj, load16(values, at + 32, bf), a2);
+            a3 = _mm512_fmadd_ps(pj, load16(values, at + 48, bf), a3);
         }
         const __m512 sc = _mm512_set1_ps(inv);
         _mm512_storeu_ps(o + i0, _mm512_mul_ps(a0, sc));
@@ -111,22 +151,27 @@ static void weigh_values(const float *p, const float *values, int64_t len, int d
     for (; i0 < d; i0 += 16) {
         __m512 a = _mm512_setzero_ps();
         for (int64_t j = 0; j < len; j++)
-            a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(values + j * d + i0), a);
+            a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load16(values, j * d + i0, bf), a);
         _mm512_storeu_ps(o + i0, _mm512_mul_ps(a, _mm512_set1_ps(inv)));
     }
 }
 #else
-static void scores_of(const float *q, const float *keys, int64_t len, int d, float scale,
-                      float *s, float *pad) {
-    (void)pad;
-    for (int64_t j = 0; j < len; j++) s[j] = dot(q, keys + j * d, d) * scale;
+static void scores_of(const float *q, const void *keys, int bf, int64_t len, int d,
+                      float scale, float *s, float *pad) {
+    const size_t esize = bf ? 2 : 4;
+    for (int64_t j = 0; j < len; j++) { /* pad: one widened key at a time */
+        widen_row((const char *)keys + (size_t)(j * d) * esize, bf, d, pad);
+        s[j] = dot(q, pad, d) * scale;
+    }
 }
 
-static void weigh_values(const float *p, const float *values, int64_t len, int d, float inv,
-                         float *o) {
+static void weigh_values(const float *p, const void *values, int bf, int64_t len, int d,
+                         float inv, float *o) {
+    const size_t esize = bf ? 2 : 4;
+    float v[d];
     for (int i = 0; i < d; i++) o[i] = 0.0f;
     for (int64_t j = 0; j < len; j++) {
-        const float *v = values + j * d;
+        widen_row((const char *)values + (size_t)(j * d) * esize, bf, d, v);
         for (int i = 0; i < d; i++) o[i] = fmaf(p[j], v[i], o[i]);
     }
     for (int i = 0; i < d; i++) o[i] *= inv;
@@ -135,40 +180,53 @@ static void weigh_values(const float *p, const float *values, int64_t len, int d
 
 /* One query row of one head against its KV head's keys 0..len-1. The two paths above
  * compute the same bits. */
-static void attend_row(const float *q, float *out, const float *keys, const float *values,
+static void attend_row(const float *q, float *out, const void *keys, const void *values, int bf,
                        int64_t len, int d, float scale, float *s, float *pad) {
-    scores_of(q, keys, len, d, scale, s, pad);
+    scores_of(q, keys, bf, len, d, scale, s, pad);
     float m = -INFINITY;
     for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
     for (int64_t j = 0; j < len; j++) s[j] = exp_neg(s[j] - m);
     const float inv = 1.0f / lane_sum(s, (int)len);
-    weigh_values(s, values, len, d, inv, out);
+    weigh_values(s, values, bf, len, d, inv, out);
 }
 
 /* q [T, heads * d] (row stride q_stride), k/v new rows [T, kv_heads * d] (strides
  * k_stride / v_stride), out [T, heads * d] contiguous. Per sequence s: its cache base
  * (layer 0, K, head 0) base[s], capacity cap[s], first position start[s], new rows
- * nnew[s] beginning at row row0[s]. Returns 0, or -1 when d is not a multiple of LANES. */
+ * nnew[s] beginning at row row0[s]; kv_bf16: the cache holds bf16. Returns 0, or -1 when
+ * d is not a multiple of LANES. */
 int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
               const float *v, int64_t v_stride, float *out, int64_t nseq, const int64_t *base,
               const int64_t *cap, const int64_t *start, const int64_t *nnew, const int64_t *row0,
-              int64_t layer, int heads, int kv_heads, int d, float scale) {
+              int64_t layer, int heads, int kv_heads, int d, float scale, int kv_bf16) {
     if (d % LANES) return -1;
-    const int group = heads / kv_heads;
+    const int group = heads / kv_heads, bf = kv_bf16 != 0;
+    const size_t esize = bf ? 2 : 4;
     int64_t rows = 0, max_len = 0;
     for (int64_t s = 0; s < nseq; s++) {
         rows += nnew[s];
         if (start[s] + nnew[s] > max_len) max_len = start[s] + nnew[s];
     }
-    /* store the new rows (every sequence, before any attends) */
+    /* store the new rows (every sequence, before any attends); element offsets below */
     for (int64_t s = 0; s < nseq; s++) {
-        float *kc = (float *)(intptr_t)base[s] + layer * 2 * kv_heads * cap[s] * d;
-        float *vc = kc + (int64_t)kv_heads * cap[s] * d;
+        const int64_t kc = layer * 2 * kv_heads * cap[s] * d, vc = kc + kv_heads * cap[s] * d;
+        char *cache = (char *)(intptr_t)base[s];
         for (int64_t i = 0; i < nnew[s]; i++)
             for (int h = 0; h < kv_heads; h++) {
-                int64_t at = ((int64_t)h * cap[s] + start[s] + i) * d;
-                memcpy(kc + at, k + (row0[s] + i) * k_stride + (int64_t)h * d, d * sizeof(float));
-                memcpy(vc + at, v + (row0[s] + i) * v_stride + (int64_t)h * d, d * sizeof(float));
+                const int64_t at = ((int64_t)h * cap[s] + start[s] + i) * d;
+                const float *kr = k + (row0[s] + i) * k_stride + (int64_t)h * d;
+                const float *vr = v + (row0[s] + i) * v_stride + (int64_t)h * d;
+                if (!bf) {
+                    memcpy(cache + (kc + at) * 4, kr, d * sizeof(float));
+                    memcpy(cache + (vc + at) * 4, vr, d * sizeof(float));
+                    continue;
+                }
+                uint16_t *kb = (uint16_t *)(cache + (kc + at) * 2);
+                uint16_t *vb = (uint16_t *)(cache + (vc + at) * 2);
+                for (int j = 0; j < d; j++) {
+                    kb[j] = to_bf16(kr[j]);
+                    vb[j] = to_bf16(vr[j]);
+                }
             }
     }
     /* one item per (row, KV head): its query heads run back to back over the same keys
@@ -183,13 +241,14 @@ int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride
             const int h = (int)(it % kv_heads);
             while (r >= nnew[s]) r -= nnew[s++]; /* r: the row within sequence s */
             const int64_t row = row0[s] + r, len = start[s] + r + 1;
-            const float *kc = (const float *)(intptr_t)base[s] + layer * 2 * kv_heads * cap[s] * d;
-            const float *keys = kc + (int64_t)h * cap[s] * d;
-            const float *values = keys + (int64_t)kv_heads * cap[s] * d;
+            const int64_t kc = layer * 2 * kv_heads * cap[s] * d + (int64_t)h * cap[s] * d;
+            const char *cache = (const char *)(intptr_t)base[s];
+            const void *keys = cache + kc * esize;
+            const void *values = cache + (kc + (int64_t)kv_heads * cap[s] * d) * esize;
             for (int g = 0; g < group; g++) {
                 const int64_t hq = (int64_t)h * group + g;
                 attend_row(q + row * q_stride + hq * d, out + row * (int64_t)heads * d + hq * d,
-                           keys, values, len, d, scale, scores, scores + scratch - 16 * d);
+                           keys, values, bf, len, d, scale, scores, scores + scratch - 16 * d);
             }
         }
         free(scores);

@@ -541,3 +541,23 @@ def test_soak_judges_growth_after_warmup_only():
     assert not SoakReport(requests=10, failed=1, max_growth=0.05).passed
     assert not SoakReport(requests=0, max_growth=0.05).passed
     assert not SoakReport(requests=10, object_store_growth=10 * 2**20).passed
+
+
+def test_soak_reads_the_object_store_until_it_settles():
+    """The last requests' objects are freed a moment after their answers: the soak judges
+    the store once it is back (or after ``settle_s``), not the instant the load stops."""
+    from services.bench import soak
+
+    class Server:
+        def __init__(self, values):
+            self.values = list(values)
+
+        async def get(self, path):
+            value = self.values.pop(0) if len(self.values) > 1 else self.values[0]
+            return httpx.Response(200, json={"object_store": {"bytes_used": value}})
+
+    start = 100_000
+    draining = Server([1_400_000, 900_000, start])
+    assert asyncio.run(soak._settled_store(draining, start, settle_s=5)) <= start + 2**20
+    stuck = Server([9_000_000])
+    assert asyncio.run(soak._settled_store(stuck, start, settle_s=0.6)) == 9_000_000

@@ -24,10 +24,10 @@ def _layer(heads: int, kv_heads: int, hd: int) -> DecoderLayer:
     return layer
 
 
-def attend(seqs, heads=6, kv_heads=2, hd=32, lib=None):
+def attend(seqs, heads=6, kv_heads=2, hd=32, lib=None, kv_dtype=torch.float32):
     """Run the kernel over ``seqs``: (cached length, new rows, seed) each; a sequence's
     cache, queries and new K/V come from its own seed, whatever else is in the call."""
-    cache = KVCache(2, kv_heads, hd, 10_000)
+    cache = KVCache(2, kv_heads, hd, 10_000, dtype=kv_dtype)
     qs, kvs = [], []
     for s, (length, n, seed) in enumerate(seqs):
         gen = torch.Generator().manual_seed(seed)
@@ -87,14 +87,41 @@ def test_a_row_is_the_same_alone_in_a_block_or_in_any_batch():
         assert torch.equal(one[0], block[i])
 
 
-def test_attention_paths_agree_bit_for_bit():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_attention_paths_agree_bit_for_bit(kv_dtype):
     """The AVX-512 attention (16 keys' scores folded at once) and the portable one compute
     the same bits: the same multiply-adds and the same pairwise fold for every score."""
     portable = native.build_variant(("-mno-avx512f",))
     seqs = [(0, 1, 1), (300, 8, 2), (77, 3, 3), (16, 1, 4), (33, 2, 5)]
     for hd in (32, 64, 80):  # 80: a head wider than four vectors' step
-        fast = attend(seqs, heads=9, kv_heads=3, hd=hd)[-1]
-        assert torch.equal(fast, attend(seqs, heads=9, kv_heads=3, hd=hd, lib=portable)[-1])
+        args = dict(heads=9, kv_heads=3, hd=hd, kv_dtype=kv_dtype)
+        fast = attend(seqs, **args)[-1]
+        assert torch.equal(fast, attend(seqs, lib=portable, **args)[-1])
+
+
+def test_a_bf16_cache_stores_rounded_rows_and_attends_in_fp32():
+    """A bf16 cache holds the new rows as torch rounds them, and each row's output is the
+    fp32 attention over those bf16 keys and values; rows still stand alone."""
+    lens, news = [0, 300, 77], [1, 8, 3]
+    seqs = list(zip(lens, news, range(3), strict=True))
+    cache, q, k, v, out = attend(seqs, kv_dtype=torch.bfloat16)
+    off = 0
+    for s, (length, n) in enumerate(zip(lens, news, strict=True)):
+        keys, values = cache.view(1, s, length + n)
+        assert keys.dtype == torch.bfloat16
+        assert torch.equal(keys[:, length:], k[off : off + n].transpose(0, 1).bfloat16())
+        assert torch.equal(values[:, length:], v[off : off + n].transpose(0, 1).bfloat16())
+        for r in range(n):
+            qs = q[off + r].view(2, 3, -1)[None].double()
+            ref = F.scaled_dot_product_attention(
+                qs,
+                keys[None, :, : length + r + 1].double(),
+                values[None, :, : length + r + 1].double(),
+            )
+            assert (ref.flatten().float() - out[off + r]).abs().max().item() < 1e-5
+        off += n
+    _, _, _, _, alone = attend([(77, 3, 2)], kv_dtype=torch.bfloat16)
+    assert torch.equal(alone, out[9:12])
 
 
 def close(a: torch.Tensor, b: torch.Tensor, act: torch.dtype) -> bool:

@@ -87,6 +87,7 @@ def test_quantized_runner_decodes_like_its_own_prefill(tiny_checkpoints, quant):
     [
         ({"dtype": "float8"}, "unknown dtype 'float8'"),
         ({"quant": "int3"}, "unknown quantization 'int3'"),
+        ({"kv_dtype": "int8"}, "unknown KV cache dtype 'int8'"),
     ],
 )
 def test_unknown_forms_are_one_line_errors(tiny_checkpoints, kwargs, words):
@@ -113,15 +114,18 @@ def test_auto_is_timed_once_per_machine(tiny_checkpoints, tmp_path, monkeypatch)
     assert (str(runner.dtype).removeprefix("torch."), runner.quant) == (first.dtype, first.quant)
 
 
-@pytest.mark.parametrize("quant", ["int4", "none"])
-def test_a_verify_block_equals_its_decode_steps_bit_for_bit(tiny_checkpoints, quant):
+@pytest.mark.parametrize(
+    "quant, kv_dtype", [("int4", "auto"), ("int4", "bfloat16"), ("none", "auto")]
+)
+def test_a_verify_block_equals_its_decode_steps_bit_for_bit(tiny_checkpoints, quant, kv_dtype):
     """Through bf16 GEMM inputs, spec == plain needs each verify row to be computed exactly
     as its 1-row decode step: int4 (fp32 stream) takes the C attention, which does each
-    row alone; bf16 takes torch's SDPA row by row (``row_exact``; with it off, the bf16
-    case fails here, checked when this was written)."""
+    row alone (with an fp32 or a bf16 cache); bf16 takes torch's SDPA row by row
+    (``row_exact``; with it off, the bf16 case fails here, checked when this was written)."""
     path = str(tiny_checkpoints["qwen2"])
     dtype = "float32" if quant == "int4" else "bfloat16"
-    runner = TargetRunner(TargetSpec(path, dtype=dtype, quant=quant))
+    runner = TargetRunner(TargetSpec(path, dtype=dtype, quant=quant, kv_dtype=kv_dtype))
+    assert runner.cache.dtype == (torch.bfloat16 if kv_dtype == "bfloat16" else runner.dtype)
     assert runner.model.row_exact
     tokens = torch.randint(0, 97, (208,), generator=torch.Generator().manual_seed(5)).tolist()
     runner.forward(ForwardBatch.single(0, tokens[:200], 0))
