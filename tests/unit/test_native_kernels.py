@@ -52,14 +52,18 @@ def attend(seqs, heads=6, kv_heads=2, hd=32, lib=None, kv_dtype=torch.float32):
     return cache, q, k, v, out
 
 
-def test_attention_matches_fp64_sdpa_and_stores_the_new_rows():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_attention_matches_fp64_sdpa_and_stores_the_new_rows(kv_dtype):
+    """A bf16 cache holds the new rows as torch rounds them, and each row's output is the
+    fp32 attention over those keys and values, as with an fp32 cache."""
     lens, news = [0, 300, 77, 5], [1, 8, 3, 1]
-    cache, q, k, v, out = attend(list(zip(lens, news, range(4), strict=True)))
+    cache, q, k, v, out = attend(list(zip(lens, news, range(4), strict=True)), kv_dtype=kv_dtype)
     off, group = 0, 3
     for s, (length, n) in enumerate(zip(lens, news, strict=True)):
         keys, values = cache.view(1, s, length + n)
-        assert torch.equal(keys[:, length:], k[off : off + n].transpose(0, 1))
-        assert torch.equal(values[:, length:], v[off : off + n].transpose(0, 1))
+        assert keys.dtype == kv_dtype
+        assert torch.equal(keys[:, length:], k[off : off + n].transpose(0, 1).to(kv_dtype))
+        assert torch.equal(values[:, length:], v[off : off + n].transpose(0, 1).to(kv_dtype))
         for r in range(n):  # row r sees keys 0..length+r
             qs = q[off + r].view(2, group, -1)[None].double()
             ref = F.scaled_dot_product_attention(
@@ -69,6 +73,7 @@ def test_attention_matches_fp64_sdpa_and_stores_the_new_rows():
             )
             assert (ref.flatten().float() - out[off + r]).abs().max().item() < 1e-5
         off += n
+    assert torch.equal(attend([(77, 3, 2)], kv_dtype=kv_dtype)[-1], out[9:12])  # alone
 
 
 def test_a_row_is_the_same_alone_in_a_block_or_in_any_batch():
@@ -97,31 +102,6 @@ def test_attention_paths_agree_bit_for_bit(kv_dtype):
         args = dict(heads=9, kv_heads=3, hd=hd, kv_dtype=kv_dtype)
         fast = attend(seqs, **args)[-1]
         assert torch.equal(fast, attend(seqs, lib=portable, **args)[-1])
-
-
-def test_a_bf16_cache_stores_rounded_rows_and_attends_in_fp32():
-    """A bf16 cache holds the new rows as torch rounds them, and each row's output is the
-    fp32 attention over those bf16 keys and values; rows still stand alone."""
-    lens, news = [0, 300, 77], [1, 8, 3]
-    seqs = list(zip(lens, news, range(3), strict=True))
-    cache, q, k, v, out = attend(seqs, kv_dtype=torch.bfloat16)
-    off = 0
-    for s, (length, n) in enumerate(zip(lens, news, strict=True)):
-        keys, values = cache.view(1, s, length + n)
-        assert keys.dtype == torch.bfloat16
-        assert torch.equal(keys[:, length:], k[off : off + n].transpose(0, 1).bfloat16())
-        assert torch.equal(values[:, length:], v[off : off + n].transpose(0, 1).bfloat16())
-        for r in range(n):
-            qs = q[off + r].view(2, 3, -1)[None].double()
-            ref = F.scaled_dot_product_attention(
-                qs,
-                keys[None, :, : length + r + 1].double(),
-                values[None, :, : length + r + 1].double(),
-            )
-            assert (ref.flatten().float() - out[off + r]).abs().max().item() < 1e-5
-        off += n
-    _, _, _, _, alone = attend([(77, 3, 2)], kv_dtype=torch.bfloat16)
-    assert torch.equal(alone, out[9:12])
 
 
 def close(a: torch.Tensor, b: torch.Tensor, act: torch.dtype) -> bool:
