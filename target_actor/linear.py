@@ -206,15 +206,7 @@ class Int4Linear(_WeightOnly):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is not None:
-            M, K = x.shape
-            y = torch.empty(M, self.out_features)
-            rc = self.lib.ls_gemm_q4(
-                x.data_ptr(), M, K, self.packed.data_ptr(), self.d.data_ptr(),
-                self.m.data_ptr(), self.out_features, y.data_ptr(),
-            )  # fmt: skip
-            if rc != 0:
-                raise MemoryError("native int4 GEMM: out of memory")
-            return y
+            return _int_gemm(self.lib.ls_gemm_q4, x, self.out_features, self.packed, self.d, self.m)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
 
     @property
@@ -248,15 +240,7 @@ class Int8Linear(_WeightOnly):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if self.int_lib is not None:
-            M, K = x.shape
-            y = torch.empty(M, self.out_features)
-            rc = self.int_lib.ls_gemm_w8(
-                x.data_ptr(), M, K, self.tiles.data_ptr(), self.d.data_ptr(),
-                self.out_features, y.data_ptr(),
-            )  # fmt: skip
-            if rc != 0:
-                raise MemoryError("native int8 GEMM: out of memory")
-            return y
+            return _int_gemm(self.int_lib.ls_gemm_w8, x, self.out_features, self.tiles, self.d)
         if self.lib is not None:
             return native_gemm(self.lib, native.GEMM_INT8, x, self.q, self.scale)
         return torch._weight_int8pack_mm(x, self.q, self.scale)
@@ -281,6 +265,16 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     y = native_gemm(lib, native.GEMM_BF16, rows, weight.contiguous())
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def _int_gemm(fn, x: torch.Tensor, n: int, *weights: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` fp32 contiguous through one of ``csrc/q4.c``'s GEMMs (``fn``, with
+    its packed weight tensors) -> ``[M, n]`` fp32."""
+    M, K = x.shape
+    y = torch.empty(M, n)
+    if fn(x.data_ptr(), M, K, *(w.data_ptr() for w in weights), n, y.data_ptr()) != 0:
+        raise MemoryError("native integer GEMM: out of memory")
+    return y
 
 
 def native_q4_lib(shape: tuple[int, int]):
