@@ -51,17 +51,17 @@ def new_key() -> bytes:
 
 def _tensor(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if not data:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")
     return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
+            # a GPU rank's tensors leave through host memory: the one copy per message
             t = obj.detach().cpu().contiguous()
-            raw = (
-                t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-            )
+            empty = torch.empty(0, dtype=torch.uint8, device="cpu")
+            raw = t.reshape(-1).view(torch.uint8) if t.numel() else empty
             return _tensor, (pickle.PickleBuffer(raw.numpy()), t.dtype, tuple(t.shape))
         return NotImplemented
 

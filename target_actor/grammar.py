@@ -89,7 +89,8 @@ class GrammarState:
                 bitmask[j] = bitmask[valid]
         if valid:
             self.matcher.rollback(valid)
-        allowed = _unpack(bitmask, logits.shape[1])
+        # llguidance fills a host bitmask; it crosses to the logits' device packed (1/32)
+        allowed = _unpack(bitmask.to(logits.device), logits.shape[1])
         return logits.masked_fill_(~allowed, float("-inf"))
 
     def commit(self, tokens: list[int]) -> None:
@@ -103,15 +104,18 @@ class GrammarState:
         return self.matcher.is_stopped()
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BITS = torch.arange(32, dtype=torch.int32, device="cpu")
 
 
 def _unpack(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     """llguidance's packed int32 bitmask ``[rows, words]`` -> bool ``[rows, width]`` (plain
     torch ops: llguidance's own apply compiles a kernel on first use, seconds on a CPU).
     Tokens past the mask's vocabulary are forbidden."""
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).flatten(1).bool()  # [rows, 32 * words]
+    bits = _BITS.to(bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1).bool()  # [rows, 32 * words]
     if allowed.shape[1] >= width:
         return allowed[:, :width]
-    pad = torch.zeros(allowed.shape[0], width - allowed.shape[1], dtype=torch.bool)
+    pad = torch.zeros(
+        allowed.shape[0], width - allowed.shape[1], dtype=torch.bool, device=bitmask.device
+    )
     return torch.cat([allowed, pad], dim=1)

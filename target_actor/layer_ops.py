@@ -25,7 +25,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     kernel costs ~45 us a call at a few rows, the drafter's and the final norm's case)."""
     lib = native.library()
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if lib is None or grads or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    cpu_fp32 = x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+    if lib is None or grads or not cpu_fp32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     n = x.shape[-1]
     rows = x.reshape(-1, n).contiguous()
@@ -67,14 +68,15 @@ def _is_bf16(x: torch.Tensor) -> int:
 
 
 class NativeOps:
-    """The C backend: fp32 residual stream, fp32 or bf16 GEMM activations."""
+    """The C backend (CPU only: its buffers are host memory): fp32 residual stream, fp32
+    or bf16 GEMM activations."""
 
     def __init__(self, lib) -> None:
         self.lib = lib
 
     def add_rms_norm(self, h, y, weight, eps, act):
         rows, n = h.shape
-        out = torch.empty(rows, n, dtype=act)
+        out = torch.empty(rows, n, dtype=act, device="cpu")
         y = None if y is None else y.contiguous()
         self.lib.ls_add_rms_norm(
             h.data_ptr(),
@@ -91,8 +93,11 @@ class NativeOps:
 
     def qkv_rope(self, qkv, bias, q_norm, k_norm, eps, cos, sin, heads, kv_heads, hd):
         T = qkv.shape[0]
-        q = torch.empty(T, heads, hd)
-        k, v = torch.empty(T, kv_heads, hd), torch.empty(T, kv_heads, hd)
+        q = torch.empty(T, heads, hd, device="cpu")
+        k, v = (
+            torch.empty(T, kv_heads, hd, device="cpu"),
+            torch.empty(T, kv_heads, hd, device="cpu"),
+        )
         self.lib.ls_qkv_rope(
             qkv.data_ptr(),
             _is_bf16(qkv),
@@ -115,7 +120,7 @@ class NativeOps:
 
     def silu_mul(self, gate_up, act):
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, n, dtype=act)
+        out = torch.empty(rows, n, dtype=act, device="cpu")
         gate_up = gate_up.contiguous()
         self.lib.ls_silu_mul(
             gate_up.data_ptr(), _is_bf16(gate_up), out.data_ptr(), _is_bf16(out), rows, n
@@ -123,10 +128,12 @@ class NativeOps:
         return out
 
 
-def ops_for(dtype: torch.dtype, head_dim: int) -> TorchOps | NativeOps:
-    """The C backend when it is built and fits (fp32 stream, head_dim a multiple of its
-    vector width), else torch."""
-    lib = native.library()
+def ops_for(
+    dtype: torch.dtype, head_dim: int, device: torch.device | str = "cpu"
+) -> TorchOps | NativeOps:
+    """The C backend when it is built and fits (CPU, fp32 stream, head_dim a multiple of
+    its vector width), else torch (every other device)."""
+    lib = native.library() if torch.device(device).type == "cpu" else None
     if lib is not None and dtype == torch.float32 and head_dim % native.LANES == 0:
         return NativeOps(lib)
     return TorchOps()

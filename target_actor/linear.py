@@ -98,7 +98,8 @@ class DenseLinear(Linear):
     def __init__(self, weight: torch.Tensor, row_counts: tuple[int, ...] = ()) -> None:
         self.weight = weight
         self.packs: dict[int, torch.Tensor] = {}
-        if row_counts and weight.dtype == torch.float32 and mkl_packing_available():
+        cpu = weight.device.type == "cpu"
+        if row_counts and cpu and weight.dtype == torch.float32 and mkl_packing_available():
             self.weight = w = weight.contiguous()
             self.packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in row_counts}
 
@@ -131,7 +132,7 @@ class _WeightOnly(Linear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight this linear multiplies by, ``[out, in]`` fp32 (for tests and reports)."""
-        eye = torch.eye(self.in_features, dtype=self.act)
+        eye = torch.eye(self.in_features, dtype=self.act, device="cpu")
         return self._run(eye).float().t().contiguous()
 
 
@@ -258,7 +259,7 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     drafter's case). Same dtype out as in."""
     lib = None
     grads = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
-    if weight.dtype == torch.bfloat16 and not grads:
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not grads:
         lib = native_gemm_lib(weight.shape)
     if lib is None or x.numel() == 0:
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
@@ -271,7 +272,7 @@ def _int_gemm(fn, x: torch.Tensor, n: int, *weights: torch.Tensor) -> torch.Tens
     """``x`` ``[M, K]`` fp32 contiguous through one of ``csrc/q4.c``'s GEMMs (``fn``, with
     its packed weight tensors) -> ``[M, n]`` fp32."""
     M, K = x.shape
-    y = torch.empty(M, n)
+    y = torch.empty(M, n, device="cpu")  # the C kernels: host memory only
     if fn(x.data_ptr(), M, K, *(w.data_ptr() for w in weights), n, y.data_ptr()) != 0:
         raise MemoryError("native integer GEMM: out of memory")
     return y
@@ -298,7 +299,7 @@ def native_gemm(lib, kind: int, x: torch.Tensor, weight: torch.Tensor, scale=Non
     """``x`` ``[M, in]`` bf16 contiguous times ``weight`` ``[out, in]`` (int8 with ``scale``
     ``[out]`` fp32, or bf16) transposed -> ``[M, out]`` fp32, by ``csrc/gemm.c``."""
     M, K = x.shape
-    y = torch.empty(M, weight.shape[0])
+    y = torch.empty(M, weight.shape[0], device="cpu")  # the C kernels: host memory only
     rc = lib.ls_gemm(
         kind,
         x.data_ptr(),

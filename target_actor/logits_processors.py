@@ -26,20 +26,31 @@ class TokenHistory:
     rank 0). Like the KV cache it is rewound to the round's start before each verify,
     so a round retried after a failure counts its tokens once."""
 
-    def __init__(self, sampling: SeqSampling, prompt: list[int], vocab: int) -> None:
-        self.sampling = sampling
+    def __init__(
+        self,
+        sampling: SeqSampling,
+        prompt: list[int],
+        vocab: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.sampling, self.device = sampling, torch.device(device)
         self.prompt_len = len(prompt)
         self.output: list[int] = []
-        self.counts = torch.zeros(vocab) if sampling.counts_tokens else None
+        dev = self.device
+        self.counts = torch.zeros(vocab, device=dev) if sampling.counts_tokens else None
         self.prompt_seen = None
         if sampling.repetition_penalty != 1.0:
-            self.prompt_seen = torch.zeros(vocab, dtype=torch.bool)
-            self.prompt_seen[torch.tensor(prompt, dtype=torch.long)] = True
+            self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            self.prompt_seen[torch.tensor(prompt, dtype=torch.long, device=dev)] = True
+
+    def _ids(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.device)
 
     def extend(self, tokens: list[int]) -> None:
         self.output.extend(tokens)
         if self.counts is not None and tokens:
-            self.counts.index_add_(0, torch.tensor(tokens), torch.ones(len(tokens)))
+            ones = torch.ones(len(tokens), device=self.device)
+            self.counts.index_add_(0, self._ids(tokens), ones)
 
     def rewind(self, num_output: int) -> None:
         """Forget the output tokens past the first ``num_output``."""
@@ -48,7 +59,8 @@ class TokenHistory:
             return
         del self.output[num_output:]
         if self.counts is not None:
-            self.counts.index_add_(0, torch.tensor(dropped), -torch.ones(len(dropped)))
+            ones = torch.ones(len(dropped), device=self.device)
+            self.counts.index_add_(0, self._ids(dropped), -ones)
 
     def process(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """Rows ``[1 + len(drafts), vocab]`` of raw logits -> processed (fp32); row ``j``
@@ -56,8 +68,8 @@ class TokenHistory:
         sp, rows = self.sampling, logits.shape[0]
         logits = logits.float()
         if sp.logit_bias:
-            ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
-            logits[:, ids] += torch.tensor(list(sp.logit_bias.values()))
+            bias = torch.tensor(list(sp.logit_bias.values()), device=logits.device)
+            logits[:, self._ids(list(sp.logit_bias))] += bias
         short = min(rows, sp.min_tokens - len(self.output))  # rows still below min_tokens
         if short > 0 and sp.stop_ids:
             logits[:short, list(sp.stop_ids)] = float("-inf")
@@ -65,8 +77,8 @@ class TokenHistory:
             return logits
         counts = self.counts.expand(rows, -1)
         if drafts:
-            seen_drafts = torch.zeros(rows, counts.shape[1])
-            seen_drafts[torch.arange(1, rows), torch.tensor(drafts)] = 1.0
+            seen_drafts = torch.zeros(rows, counts.shape[1], device=self.device)
+            seen_drafts[torch.arange(1, rows, device=self.device), self._ids(drafts)] = 1.0
             counts = counts + seen_drafts.cumsum_(0)
         if sp.repetition_penalty != 1.0:
             seen = (counts > 0) | self.prompt_seen

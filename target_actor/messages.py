@@ -11,6 +11,7 @@ proposal support. Keys are stored post-RoPE, exactly as the target caches them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,41 @@ import torch
 HISTORY_TOKENS = 2048  # committed token ids the drafter keeps (context copy), at most
 
 
+class _Tensors:
+    """Moving a message between devices: the target's GPU, host memory for Ray, the
+    drafter's GPU. Every tensor field goes except token ids (``tokens``), which stay in
+    host memory: the drafter's context copy searches them there."""
+
+    HOST_FIELDS = ("tokens",)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False):
+        device = torch.device(device)
+        moved = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in self.HOST_FIELDS and not isinstance(self, Proposal):
+                continue
+            if isinstance(v, torch.Tensor) and v.device != device:
+                moved[f.name] = v.to(device, non_blocking=non_blocking)
+            elif isinstance(v, _Tensors):
+                moved[f.name] = v.to(device, non_blocking)
+        return dataclasses.replace(self, **moved) if moved else self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data the message carries (what crosses between devices)."""
+        total = 0
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+            elif isinstance(v, _Tensors):
+                total += v.nbytes
+        return total
+
+
 @dataclass
-class PrefillViews:
+class PrefillViews(_Tensors):
     """A new sequence's three views after the target prefilled its prompt."""
 
     seq_id: int
@@ -34,7 +68,7 @@ class PrefillViews:
 
 
 @dataclass
-class RoundUpdate:
+class RoundUpdate(_Tensors):
     """What one verification round hands the drafter for one sequence.
 
     The round verified ``[x_t, d_1..d_k]`` at positions ``t..t+k`` and accepted ``m``
@@ -51,7 +85,7 @@ class RoundUpdate:
 
 
 @dataclass
-class DraftRequest:
+class DraftRequest(_Tensors):
     """One sequence's part of a ``propose`` call."""
 
     seq_id: int
@@ -62,7 +96,7 @@ class DraftRequest:
 
 
 @dataclass
-class Proposal:
+class Proposal(_Tensors):
     """Draft tokens and the exact proposal distribution each was sampled from."""
 
     tokens: torch.Tensor  # [n, k] int64
@@ -76,10 +110,11 @@ def scatter_proposal(part: Proposal, rows: list[int], n: int) -> Proposal:
     if rows == list(range(n)):
         return part
     k, kq = part.q_ids.shape[1:]
-    tokens = torch.full((n, k), -1, dtype=part.tokens.dtype)
-    q_ids = torch.zeros(n, k, kq, dtype=part.q_ids.dtype)
-    q_probs = torch.zeros(n, k, kq, dtype=part.q_probs.dtype)
+    dev = part.tokens.device
+    tokens = torch.full((n, k), -1, dtype=part.tokens.dtype, device=dev)
+    q_ids = torch.zeros(n, k, kq, dtype=part.q_ids.dtype, device=dev)
+    q_probs = torch.zeros(n, k, kq, dtype=part.q_probs.dtype, device=dev)
     q_probs[..., 0] = 1.0
-    index = torch.tensor(rows, dtype=torch.long)
+    index = torch.tensor(rows, dtype=torch.long, device=dev)
     tokens[index], q_ids[index], q_probs[index] = part.tokens, part.q_ids, part.q_probs
     return Proposal(tokens, q_ids, q_probs)

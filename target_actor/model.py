@@ -43,6 +43,7 @@ class _AttnPlan:
         self, batch: ForwardBatch, group: int, cache: KVCache, lib=None, row_exact: bool = False
     ) -> None:
         self.row_exact = row_exact
+        device = cache.device
         self.kv_bf16 = int(cache.dtype == torch.bfloat16)  # the C kernel reads / writes bf16
         self.items: list[tuple[int, int, int, int, torch.Tensor | None]] = []
         native_rows: list[tuple[int, int, int, int, int]] = []
@@ -55,14 +56,16 @@ class _AttnPlan:
                 mask = None
                 if n > 1 and not (row_exact and n <= EXACT_ROWS):  # rows alone need none
                     # query i (absolute start+i) sees keys 0..start+i
-                    q_pos = torch.arange(start, start + n).unsqueeze(1)
-                    mask = (torch.arange(start + n).unsqueeze(0) <= q_pos).repeat(group, 1)
+                    q_pos = torch.arange(start, start + n, device=device).unsqueeze(1)
+                    keys = torch.arange(start + n, device=device).unsqueeze(0)
+                    mask = (keys <= q_pos).repeat(group, 1)
                 self.items.append((seq_id, off, start, n, mask))
             off += n
         self.native = None
         if native_rows:
-            # columns: cache base, capacity, start, rows, first row (kept alive here)
-            self.meta = torch.tensor(native_rows, dtype=torch.int64).t().contiguous()
+            # columns: cache base, capacity, start, rows, first row (kept alive here);
+            # host memory: the C kernel reads it (CPU only)
+            self.meta = torch.tensor(native_rows, dtype=torch.int64, device="cpu").t().contiguous()
             self.native = (lib.ls_attend, len(native_rows), *(c.data_ptr() for c in self.meta))
 
 
@@ -181,7 +184,7 @@ class DecoderLayer(nn.Module):
         (and everything without the C kernels) through SDPA per sequence."""
         hd, T = self.cfg.head_dim, q.shape[0]
         group = self.heads // self.kv_heads
-        out = torch.empty(T, self.heads * hd, dtype=q.dtype)
+        out = torch.empty(T, self.heads * hd, dtype=q.dtype, device=q.device)
         if plan.native is not None:
             self._attend_native(plan, layer_id, q, k, v, out)
         for seq_id, off, start, n, mask in plan.items:
@@ -237,7 +240,11 @@ class TargetModel(nn.Module):
     """The whole decoder for one TP rank."""
 
     def __init__(
-        self, cfg: ModelConfig, tp: TPContext | None = None, dtype: torch.dtype = torch.float32
+        self,
+        cfg: ModelConfig,
+        tp: TPContext | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp or TPContext()
@@ -252,11 +259,12 @@ class TargetModel(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(self.vocab_size, d), requires_grad=False)
         )
-        self.rope = RotaryTable(cfg, dtype)
+        self.device = torch.device(device)
+        self.rope = RotaryTable(cfg, dtype, self.device)
         self.lin_head = WeightForm().make(self.lm_head)
         self.tap_index = {layer: i for i, layer in enumerate(cfg.tap_layer_ids)}
         self.row_exact = False
-        self.ops = ops_for(dtype, cfg.head_dim)
+        self.ops = ops_for(dtype, cfg.head_dim, self.device)
 
     @property
     def local_kv_heads(self) -> int:
@@ -285,7 +293,7 @@ class TargetModel(nn.Module):
         # only, and greedy never flipped on it; through bf16 GEMM inputs those last bits
         # move roundings and reach the logits, so attention then goes row by row
         self.row_exact = form.quant != "none" or dtype != torch.float32
-        self.ops = ops_for(dtype, self.cfg.head_dim)
+        self.ops = ops_for(dtype, self.cfg.head_dim, self.device)
         for p in self.parameters():  # dense layers already reference tensors of ``dtype``
             if p.numel() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
@@ -308,13 +316,15 @@ class TargetModel(nn.Module):
         return self.tp.all_gather_last(self.lin_head(x), self.cfg.vocab_size).float()
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
-        positions = torch.cat(
-            [torch.arange(s, s + n) for s, n in zip(batch.start_pos, batch.num_new, strict=True)]
-        )
+        positions = [
+            p for s, n in zip(batch.start_pos, batch.num_new, strict=True) for p in range(s, s + n)
+        ]
         cos, sin = self.rope.lookup(positions)
         ops, group = self.ops, self.cfg.num_heads // self.cfg.num_kv_heads
         plan = _AttnPlan(batch, group, cache, ops.lib, self.row_exact)
-        h, y = self.embed_tokens(batch.token_ids), None
+        # the round's token ids: built on this device by the verifier; a batch from
+        # elsewhere (tests, the channel) comes in host memory and crosses here
+        h, y = self.embed_tokens(batch.token_ids.to(self.device)), None
         taps_h, taps_k, taps_v = [], [], []
         for i, layer in enumerate(self.layers):
             y, k, v = layer(h, y, cos, sin, plan, cache, i, ops)
@@ -337,10 +347,9 @@ class TargetModel(nn.Module):
         full = self.cfg.num_kv_heads * hd
         return self.tp.all_gather_last(x.reshape(T, -1), full).view(T, -1, hd)
 
-    @staticmethod
-    def _logit_rows(batch: ForwardBatch) -> torch.Tensor:
+    def _logit_rows(self, batch: ForwardBatch) -> torch.Tensor:
         rows, off = [], 0
         for n, m in zip(batch.num_new, batch.num_logits, strict=True):
             rows.extend(range(off + n - m, off + n))
             off += n
-        return torch.tensor(rows, dtype=torch.long)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)

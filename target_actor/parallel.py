@@ -58,11 +58,13 @@ class TPContext:
         return torch.cat(parts, dim=-1)[..., :full]
 
 
-def init_distributed(rank: int, world: int, master_addr: str, master_port: int) -> TPContext:
-    """Join the process group: ``nccl`` on CUDA, ``gloo`` on CPU."""
+def init_distributed(
+    rank: int, world: int, master_addr: str, master_port: int, device_type: str = "cpu"
+) -> TPContext:
+    """Join the process group: ``nccl`` for ranks on CUDA, ``gloo`` on CPU."""
     if world == 1:
         return TPContext()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if device_type == "cuda" else "gloo"
     if master_addr.startswith("127."):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single-node group on loopback
     dist.init_process_group(

@@ -83,22 +83,34 @@ def _yarn(cfg: ModelConfig, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
 class RotaryTable:
     """Precomputed cos/sin rows, grown on demand; ``lookup(positions)`` -> ``[T, head_dim]``."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.inv_freq, self.attn_factor = rope_inv_freq(cfg)
-        self.dtype = dtype
-        self.cos = torch.empty(0, cfg.head_dim, dtype=dtype)
-        self.sin = torch.empty(0, cfg.head_dim, dtype=dtype)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.cos = torch.empty(0, cfg.head_dim, dtype=dtype, device=self.device)
+        self.sin = torch.empty(0, cfg.head_dim, dtype=dtype, device=self.device)
         self._grow(max(4096, min(cfg.max_position_embeddings, 8192)))
 
     def _grow(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float32)
+        # computed on the host in fp32 (the same bits on every device), then moved once
+        t = torch.arange(n, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, self.inv_freq)  # [n, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [n, head_dim]
-        self.cos = (emb.cos() * self.attn_factor).to(self.dtype)
-        self.sin = (emb.sin() * self.attn_factor).to(self.dtype)
+        self.cos = (emb.cos() * self.attn_factor).to(self.device, self.dtype)
+        self.sin = (emb.sin() * self.attn_factor).to(self.device, self.dtype)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 0
+    def lookup(self, positions: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows ``[..., head_dim]`` for ``positions`` (a tensor of any shape, or
+        a list: the target's rows, copied to the device once)."""
+        if isinstance(positions, list):
+            need = max(positions) + 1 if positions else 0
+            positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        else:
+            need = int(positions.max()) + 1 if positions.numel() else 0
         if need > self.cos.shape[0]:
             self._grow(max(need, 2 * self.cos.shape[0]))
         return self.cos[positions], self.sin[positions]

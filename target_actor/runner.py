@@ -39,6 +39,7 @@ class TargetSpec:
     num_threads: int | None = None
     packed_rows: tuple[int, ...] = (8, 16)  # row counts whose GEMM weights MKL pre-packs
     kv_dtype: str = "auto"  # the KV cache: auto (= dtype), float32, bfloat16
+    device: str = "cpu"  # cpu | cuda | cuda:N: weights, KV cache and every per-round tensor
 
     def __post_init__(self) -> None:
         try:
@@ -55,7 +56,7 @@ class TargetSpec:
         if "auto" not in (self.dtype, self.quant):
             return self
         cfg = ModelConfig.from_pretrained(self.path, self.num_taps)
-        choice = _choose(self.dtype, self.quant, _probe_shape(cfg, tp))
+        choice = _choose(self.dtype, self.quant, _probe_shape(cfg, tp), self.device)
         name = str(choice.dtype).removeprefix("torch.")
         return dataclasses.replace(self, dtype=name, quant=choice.quant)
 
@@ -64,11 +65,32 @@ def _probe_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return (2 * cfg.intermediate_size // tp, cfg.hidden_size)
 
 
-def _choose(dtype: str, quant: str, shape: tuple[int, int]):
+def _choose(dtype: str, quant: str, shape: tuple[int, int], device: str):
     try:
-        return choose(dtype, quant, shape)
+        return choose(dtype, quant, shape, torch.device(device).type)
     except ValueError as exc:
         raise TargetConfigError(str(exc)) from None
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` (this process's current GPU: the one Ray assigned an actor) or
+    ``cuda:N``; a one-line error when CUDA is asked for and none is visible."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TargetConfigError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise TargetConfigError(f"unsupported device {name!r}; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise TargetConfigError(f"device {name}: no CUDA device is visible to this process")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise TargetConfigError(
+            f"device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+    return torch.device("cuda", index)
 
 
 class TargetRunner:
@@ -80,14 +102,19 @@ class TargetRunner:
         if spec.tap_layer_ids is not None:
             self.cfg = dataclasses.replace(self.cfg, tap_layer_ids=tuple(spec.tap_layer_ids))
         self.cfg.check_tp(self.tp.world)
-        choice = _choose(spec.dtype, spec.quant, _probe_shape(self.cfg, self.tp.world))
+        self.device = resolve_device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        shape = _probe_shape(self.cfg, self.tp.world)
+        choice = _choose(spec.dtype, spec.quant, shape, spec.device)
         dtype, self.quant, self.form_timings = choice.dtype, choice.quant, choice.timings_ms
         t0 = time.perf_counter()
-        model = TargetModel(self.cfg, self.tp, dtype)
+        model = TargetModel(self.cfg, self.tp, dtype, self.device)
         # quantize from fp32 weights: a dequantised 4-bit checkpoint then comes back exactly
         ckpt = CheckpointReader(Path(spec.path), dtype if self.quant == "none" else torch.float32)
-        model.load(ckpt)
+        model.load(ckpt)  # read on the host, one layer at a time, then moved whole
         ckpt.close()
+        model.to(self.device)
         model.prepare(WeightForm(self.quant, tuple(spec.packed_rows)), dtype)
         self.model = model.eval()
         self.cache = KVCache(
@@ -96,15 +123,17 @@ class TargetRunner:
             self.cfg.head_dim,
             spec.kv_cache_tokens,
             dtype=dtype if spec.kv_dtype == "auto" else DTYPES[spec.kv_dtype],
+            device=self.device,
         )
         self.dtype = dtype
         log.info(
-            "rank %d/%d loaded %s (%s, weights %s) in %.1fs",
+            "rank %d/%d loaded %s (%s, weights %s, %s) in %.1fs",
             self.tp.rank,
             self.tp.world,
             spec.path,
             str(dtype).removeprefix("torch."),
             self.quant,
+            self.device,
             time.perf_counter() - t0,
         )
 

@@ -65,7 +65,8 @@ def token_logprobs(
     """Rows ``[>= len(tokens), vocab]`` of log-probabilities -> token ``j``'s entry from row
     ``j``, with the ``top`` most likely tokens of that row (and the token's rank there)."""
     rows = logprobs[: len(tokens)]
-    chosen_t = rows[torch.arange(len(tokens)), torch.tensor(tokens)]
+    dev = rows.device
+    chosen_t = rows[torch.arange(len(tokens), device=dev), torch.tensor(tokens, device=dev)]
     chosen = chosen_t.tolist()
     if top:
         best = rows.topk(top, dim=-1)

@@ -97,7 +97,8 @@ def history_tensor(tokens: list[int] | torch.Tensor | None) -> torch.Tensor | No
     """The last ``HISTORY_TOKENS`` of a prompt's ids as int64 (``None`` stays ``None``)."""
     if tokens is None:
         return None
-    return torch.as_tensor(tokens, dtype=torch.long)[-HISTORY_TOKENS:].clone()
+    # host memory on every device: the drafter's context copy searches it there
+    return torch.as_tensor(tokens, dtype=torch.long, device="cpu")[-HISTORY_TOKENS:].clone()
 
 
 def build_prefill_views(
@@ -168,5 +169,7 @@ def build_round_update(
         committed_v=tap_v[:, : m + 1].clone(),
         boundary=tap_hidden[m].clone(),
         rejected=tap_hidden[m + 1 :].clone(),
-        tokens=None if tokens is None else torch.as_tensor(tokens, dtype=torch.long)[: m + 1],
+        tokens=None
+        if tokens is None
+        else torch.as_tensor(tokens, dtype=torch.long, device="cpu")[: m + 1],
     )

@@ -48,7 +48,7 @@ class _ViewBuilder:
 
     def __init__(self, g: torch.Tensor, window: int, head_dim: int) -> None:
         self.g, self.window, self.scale = g, window, head_dim**-0.5
-        self.m, self.lam = empty_summary(*g.shape)
+        self.m, self.lam = empty_summary(*g.shape, device=g.device)
         self.win_k: torch.Tensor | None = None
         self.win_v: torch.Tensor | None = None
         self.boundary: torch.Tensor | None = None
@@ -80,6 +80,7 @@ class _ViewBuilder:
 class Verifier:
     def __init__(self, runner: TargetRunner, window: int = 256) -> None:
         self.runner, self.cfg, self.window = runner, runner.cfg, window
+        self.device = runner.device
         self.is_driver = runner.tp.rank == 0
         self.sampling: dict[int, SeqSampling] = {}
         self.generators: dict[int, torch.Generator | None] = {}
@@ -89,7 +90,7 @@ class Verifier:
         self.summary_queries: torch.Tensor | None = None  # G [L, H, R, hd], set by the engine
 
     def set_summary_queries(self, g: torch.Tensor | None) -> None:
-        self.summary_queries = None if g is None else g.float()
+        self.summary_queries = None if g is None else g.to(self.device, torch.float32)
 
     # -- prefill ------------------------------------------------------------------
     @torch.inference_mode()
@@ -101,13 +102,17 @@ class Verifier:
         ):
             self.sampling[seq_id] = sampling
             self.generators[seq_id] = (
-                None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
+                None
+                if sampling.seed is None
+                else torch.Generator(self.device).manual_seed(sampling.seed)
             )
             self._drop_state(seq_id)
             if not self.is_driver:
                 continue
             if sampling.penalised:
-                self.history[seq_id] = TokenHistory(sampling, prompt, self.cfg.vocab_size)
+                self.history[seq_id] = TokenHistory(
+                    sampling, prompt, self.cfg.vocab_size, self.device
+                )
             if sampling.grammar is not None:
                 tokenizer = ll_tokenizer(self.runner.spec.path, tuple(self.cfg.eos_token_ids))
                 self.grammars[seq_id] = GrammarState(sampling.grammar, tokenizer)
@@ -163,7 +168,7 @@ class Verifier:
             out = self.runner.forward(
                 ForwardBatch(
                     seq_ids=ids,
-                    token_ids=torch.tensor([t for c in chunks for t in c]),
+                    token_ids=self._ids([t for c in chunks for t in c]),
                     num_new=[len(c) for c in chunks],
                     start_pos=[progress[s] for s in ids],
                     num_logits=[
@@ -254,7 +259,7 @@ class Verifier:
             out = self.runner.forward(
                 ForwardBatch(
                     seq_ids=ids,
-                    token_ids=torch.tensor(
+                    token_ids=self._ids(
                         [t for s, (a, b) in zip(ids, parts, strict=True) for t in tokens[s][a:b]]
                     ),
                     num_new=[b - a for a, b in parts],
@@ -283,9 +288,11 @@ class Verifier:
         self, batch: VerifyBatch, proposal: Proposal | None
     ) -> tuple[StepResult | None, list[RoundUpdate] | None]:
         """Target forward over ``[anchor, drafts]`` per sequence, then rejection sampling."""
-        drafts = [
-            [] if n == 0 else proposal.tokens[i, :n].tolist() for i, n in enumerate(batch.num_draft)
-        ]
+        if proposal is not None:
+            # drafts arrive in host memory (Ray) or on the drafter's device (in process)
+            proposal = proposal.to(self.device)
+        rows = proposal.tokens.tolist() if proposal is not None else []  # one read-back
+        drafts = [[] if n == 0 else rows[i][:n] for i, n in enumerate(batch.num_draft)]
         if self.is_driver:
             self._rewind(batch)
             if self.runner.tp.world == 1:  # other ranks could not cut the same rows
@@ -294,7 +301,7 @@ class Verifier:
         tokens = [[a, *d] for a, d in zip(batch.anchors, drafts, strict=True)]
         fwd = ForwardBatch(
             seq_ids=batch.seq_ids,
-            token_ids=torch.tensor([t for s in tokens for t in s]),
+            token_ids=self._ids([t for s in tokens for t in s]),
             num_new=[len(s) for s in tokens],
             start_pos=batch.positions,
             num_logits=[len(s) for s in tokens],
@@ -375,10 +382,11 @@ class Verifier:
         params = [self.sampling[s] for s in seq_ids]
         k, n = max(num_draft), len(seq_ids)
         if proposal is None:  # plain decoding steps: an empty proposal
+            dev = self.device
             proposal = Proposal(
-                torch.zeros(n, 0, dtype=torch.long),
-                torch.zeros(n, 0, 1, dtype=torch.long),
-                torch.zeros(n, 0, 1),
+                torch.zeros(n, 0, dtype=torch.long, device=dev),
+                torch.zeros(n, 0, 1, dtype=torch.long, device=dev),
+                torch.zeros(n, 0, 1, device=dev),
             )
         elif proposal.tokens.shape[1] != k:  # drafted more than any sequence verifies
             proposal = Proposal(
@@ -395,7 +403,7 @@ class Verifier:
             if hist is None and grammar is None:
                 continue
             rows = slice(starts[i], starts[i + 1])
-            drafts = proposal.tokens[i, : num_draft[i]].tolist()
+            drafts = proposal.tokens[i, : num_draft[i]].tolist()  # a penalised / structured row
             if hist is not None:
                 logits[rows] = hist.process(logits[rows], drafts)
             if grammar is not None:
@@ -431,6 +439,10 @@ class Verifier:
 
     def forward(self, batch: ForwardBatch):
         return self.runner.forward(batch)
+
+    def _ids(self, tokens: list[int]) -> torch.Tensor:
+        """A forward's token ids, made on the target's device (one host-to-device copy)."""
+        return torch.tensor(tokens, dtype=torch.long, device=self.device)
 
     def kv_stats(self) -> dict[str, int]:
         return self.runner.kv_stats()

@@ -86,12 +86,19 @@ def check_kv_dtype(kv_dtype: str) -> None:
         raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
 
 
-def choose(dtype: str, quant: str, shape: tuple[int, int]) -> Choice:
-    """Resolve ``auto`` in ``dtype`` / ``quant`` by measurement (see the module doc).
+def choose(dtype: str, quant: str, shape: tuple[int, int], device: str = "cpu") -> Choice:
+    """Resolve ``auto`` in ``dtype`` / ``quant`` by measurement (see the module doc); on a
+    GPU without measuring: bf16 dense weights (its tensor cores' form).
 
     Raises ``ValueError`` (one line) for an unknown name or a form this torch lacks.
     """
     check_form_names(dtype, quant)
+    if device != "cpu":
+        if quant in ("int8", "int4"):
+            raise ValueError(
+                f"--quant {quant} runs on the CPU kernels only; on {device} use --quant none"
+            )
+        return Choice(torch.bfloat16 if dtype == "auto" else DTYPES[dtype], "none", {})
     if quant in ("int8", "int4") and not quant_kernels_available():
         raise ValueError(f"this torch ({torch.__version__}) has no CPU {quant} weight kernels")
     if dtype != "auto" and quant != "auto":

@@ -17,6 +17,7 @@ import socket
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -31,7 +32,7 @@ from target_actor.batch import (
 from target_actor.channel import ChannelGroup, new_key, serve
 from target_actor.config import ModelConfig
 from target_actor.parallel import init_distributed
-from target_actor.runner import TargetRunner, TargetSpec
+from target_actor.runner import TargetRunner, TargetSpec, resolve_device
 from target_actor.verifier import Verifier
 
 RANK_SILENCE_S = 10.0  # the watchdog's default: heartbeats come every 0.5 s while a rank works
@@ -57,7 +58,12 @@ class TargetWorker:
     def setup(
         self, spec: TargetSpec, master_addr: str, master_port: int, window: int
     ) -> ModelConfig:
-        tp = init_distributed(self.rank, self.world, master_addr, master_port)
+        # on a GPU, "cuda" is the one Ray assigned this actor (CUDA_VISIBLE_DEVICES holds
+        # only it): fixed before the process group, which NCCL binds to the current device
+        device = resolve_device(spec.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        tp = init_distributed(self.rank, self.world, master_addr, master_port, device.type)
         self.verifier = Verifier(TargetRunner(spec, tp), window)
         return self.verifier.cfg
 

@@ -584,5 +584,5 @@ def _select(proposal: Proposal | None, rows: list[int]) -> Proposal | None:
     """The proposal's ``rows`` (a part of a round verified apart)."""
     if proposal is None:
         return None
-    index = torch.tensor(rows, dtype=torch.long)
+    index = torch.tensor(rows, dtype=torch.long, device=proposal.tokens.device)
     return Proposal(proposal.tokens[index], proposal.q_ids[index], proposal.q_probs[index])

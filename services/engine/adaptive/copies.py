@@ -106,15 +106,17 @@ class CopyPlanner:
 
 
 def copy_proposal(drafted: list[CopyCandidate], batch: int) -> tuple[list[int], Proposal]:
-    """Per-row draft counts and the one-hot proposal holding ``drafted`` (others empty)."""
+    """Per-row draft counts and the one-hot proposal holding ``drafted`` (others empty),
+    in host memory: the engine's, sent to the ranks like a drafter's over Ray."""
     k = max(len(c.tokens) for c in drafted)
     num_draft = [0] * batch
-    tokens = torch.full((batch, k), -1, dtype=torch.long)
+    rows = [[-1] * k for _ in range(batch)]
     for c in drafted:
         num_draft[c.row] = len(c.tokens)
-        tokens[c.row, : len(c.tokens)] = torch.tensor(c.tokens)
+        rows[c.row][: len(c.tokens)] = c.tokens
+    tokens = torch.tensor(rows, dtype=torch.long, device="cpu")
     q_ids = tokens.clamp(min=0).unsqueeze(-1)
-    q_probs = torch.ones(batch, k, 1)
+    q_probs = torch.ones(batch, k, 1, device="cpu")
     return num_draft, Proposal(tokens, q_ids, q_probs)
 
 
