@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve test test-fast lint model clean
+.PHONY: install serve test test-fast test-gpu lint model clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ serve: model
 
 test: model
 	$(BIN)/python -m pytest -q tests
+
+# tests/gpu (skipped without CUDA, also under `make test`); deploy/gpu-check.sh runs it too
+test-gpu: model
+	$(BIN)/python -m pytest -q -m gpu tests/gpu
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" tests/unit

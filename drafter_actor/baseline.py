@@ -7,7 +7,8 @@ same ``prefill`` / ``propose`` / ``free`` as :class:`Drafter`; only the context 
 so its drafting time and state grow with the context while LongSpark's stay flat.
 
 It needs the per-position hidden states, which ``messages.py`` does not carry, so its
-prefill views and round updates are the two small messages below.
+prefill views and round updates are the two small messages below; like the LongSpark
+drafter's, they move to the drafter's device on arrival.
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ class FullPrefixState:
         self.reserve(self.length + n + k_max)
         for s in range(0, n, chunk):
             rows = hidden[s : s + chunk]
-            pos = torch.arange(self.length + s, self.length + s + rows.shape[0])
-            kv = net.project_context(net.fuse(rows).unsqueeze(0), pos.unsqueeze(0))
+            a, b = self.length + s, self.length + s + rows.shape[0]  # positions a..b-1
+            pos = torch.arange(a, b, device=hidden.device)
+            kv = net.project_context(net.fuse(rows).unsqueeze(0), pos.unsqueeze(0), b - 1)
             for i, (k, v) in enumerate(kv):
-                self.k_cache[i, :, pos[0] : pos[-1] + 1] = k[0]
-                self.v_cache[i, :, pos[0] : pos[-1] + 1] = v[0]
+                self.k_cache[i, :, a:b] = k[0]
+                self.v_cache[i, :, a:b] = v[0]
         self.length += n
         self.boundary = hidden[-1].clone()
 
@@ -111,44 +113,46 @@ class FullPrefixDrafter(Drafter):
 
     @torch.no_grad()
     def prefill(self, views: list[FullPrefixViews]) -> None:  # type: ignore[override]
-        t, L, dtype = self.cfg.target, self.cfg.num_layers, self.dtype
+        t, L, dtype, dev = self.cfg.target, self.cfg.num_layers, self.dtype, self.device
         for v in views:
             if v.length < 1 or v.hidden.shape != (v.length, L, t.hidden_size):
                 raise DrafterStateError(f"baseline views: hidden {tuple(v.hidden.shape)}")
-            empty = torch.zeros(L, t.num_kv_heads, 0, t.head_dim, dtype=dtype)
+            empty = torch.zeros(L, t.num_kv_heads, 0, t.head_dim, dtype=dtype, device=dev)
             state = FullPrefixState(
                 seq_id=v.seq_id,
                 length=0,
                 k_cache=empty,
                 v_cache=empty.clone(),
-                carry=torch.zeros(self.cfg.block_size, L, t.hidden_size, dtype=dtype),
+                carry=torch.zeros(self.cfg.block_size, L, t.hidden_size, dtype=dtype, device=dev),
                 carry_len=0,
                 generator=self._generator(v.seed),
             )
-            state.append(self.net, v.hidden.to(dtype))
+            state.append(self.net, v.hidden.to(dev, dtype))
             self.states[v.seq_id] = state  # type: ignore[assignment]
 
     def _apply(self, state: FullPrefixState, u: FullPrefixUpdate) -> None:  # type: ignore[override]
         if not isinstance(u, FullPrefixUpdate) or u.length != state.length + u.committed.shape[0]:
             raise DrafterStateError(f"sequence {state.seq_id}: update does not follow its state")
-        state.append(self.net, u.committed.to(state.carry.dtype))
+        state.append(self.net, u.committed.to(self.device, state.carry.dtype))
         state.carry_len = u.rejected.shape[0] if self.cfg.carry else 0
-        state.carry[: state.carry_len] = u.rejected[: state.carry_len]
+        state.carry[: state.carry_len] = u.rejected[: state.carry_len].to(self.device)
 
     def _contexts(self, states: list[FullPrefixState]) -> list[LayerContext]:  # type: ignore[override]
         """Every prefix row, then the carry rows written right after them in the cache."""
-        net, k_max = self.net, self.cfg.block_size if self.cfg.carry else 0
-        length = torch.tensor([s.length for s in states])  # [n]
+        net, k_max, dev = self.net, self.cfg.block_size if self.cfg.carry else 0, self.device
+        lengths = [s.length for s in states]
         if k_max:
             feats = net.carry_features(torch.stack([s.carry for s in states]))  # [n, k_max, d]
-            pos = length.unsqueeze(1) + torch.arange(k_max)
-            for i, (k, v) in enumerate(net.project_context(feats, pos)):
+            length = torch.tensor(lengths, device=dev)  # [n]
+            pos = length.unsqueeze(1) + torch.arange(k_max, device=dev)
+            top = max(lengths) + k_max - 1
+            for i, (k, v) in enumerate(net.project_context(feats, pos, top)):
                 for j, s in enumerate(states):
                     s.k_cache[i, :, s.length : s.length + k_max] = k[j]
                     s.v_cache[i, :, s.length : s.length + k_max] = v[j]
         rows = [s.length + k_max for s in states]
-        present = length + torch.tensor([s.carry_len for s in states])  # [n]
-        mask = torch.arange(max(rows)).unsqueeze(0) < present.unsqueeze(1)  # [n, C]
+        present = torch.tensor([s.length + s.carry_len for s in states], device=dev)  # [n]
+        mask = torch.arange(max(rows), device=dev).unsqueeze(0) < present.unsqueeze(1)  # [n, C]
         return [
             LayerContext(
                 k=_pad_rows([s.k_cache[i, :, :n] for s, n in zip(states, rows, strict=True)]),

@@ -35,8 +35,8 @@ def save_drafter(
         raise DrafterConfigError(f"unknown dtype {dtype!r}; choose from {', '.join(SAVE_DTYPES)}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: (t.to(SAVE_DTYPES[dtype]) if t.is_floating_point() else t).contiguous()
+    tensors = {  # in host memory, whatever device the drafter runs on
+        name: t.to("cpu", SAVE_DTYPES[dtype] if t.is_floating_point() else t.dtype).contiguous()
         for name, t in state_dict.items()
     }
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})

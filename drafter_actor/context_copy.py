@@ -22,7 +22,9 @@ lossless rejection sampling rests on):
   instead of ``min(1, p(c) / q(c))`` and bias sampled output.
 
 The history is a fixed-size buffer (``HISTORY_TOKENS`` ids), so the drafter's state
-stays independent of the context length.
+stays independent of the context length. It lives in host memory whatever the drafter's
+device: the search below is a few short scans ending in Python lists (``tolist``), which
+on a GPU would wait for the device several times a sequence a round.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def find_copy(history: torch.Tensor, anchor: int, k: int) -> tuple[list[int], in
     match is the longest suffix of ``history + [anchor]`` (up to ``MAX_NGRAM``) that also
     ends earlier in it, the most recent one among the longest; ``([], 0)`` if none.
     """
-    seq = torch.cat([history, torch.tensor([anchor], dtype=history.dtype)])
+    seq = torch.cat([history, torch.tensor([anchor], dtype=history.dtype, device=history.device)])
     T = seq.shape[0]
     ends = (seq[:-1] == anchor).nonzero().flatten()  # earlier positions holding the anchor
     if ends.numel() == 0:
@@ -69,15 +71,15 @@ def is_sure(copy: list[int], n: int, sure_ngram: int = MIN_NGRAM) -> bool:
     return bool(copy) and n >= sure_ngram
 
 
-def copy_inputs(copies: list[tuple[list[int], int]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The network's copy inputs: tokens ``[n, k]`` (-1: none) and match lengths ``[n]``."""
-    tokens = torch.full((len(copies), k), -1, dtype=torch.long)
-    lengths = torch.zeros(len(copies), dtype=torch.long)
-    for i, (copy, n) in enumerate(copies):
-        if copy:
-            tokens[i] = torch.tensor(copy[:k])
-            lengths[i] = n
-    return tokens, lengths
+def copy_inputs(
+    copies: list[tuple[list[int], int]], k: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The network's copy inputs on ``device``: tokens ``[n, k]`` (-1: none) and match
+    lengths ``[n]``, built in Python and copied over once."""
+    rows = [copy[:k] + [-1] * (k - len(copy[:k])) for copy, _ in copies]
+    tokens = torch.tensor(rows, dtype=torch.long, device=device).view(len(copies), k)
+    lengths = [n if copy else 0 for copy, n in copies]
+    return tokens, torch.tensor(lengths, dtype=torch.long, device=device)
 
 
 def copies_in_text(
@@ -88,7 +90,7 @@ def copies_in_text(
     rows = tokens.tolist()
     copies = [
         find_copy(
-            torch.tensor(rows[b][max(0, t - HISTORY_TOKENS) : t], dtype=torch.long),
+            torch.tensor(rows[b][max(0, t - HISTORY_TOKENS) : t], dtype=torch.long, device="cpu"),
             rows[b][t],
             k,
         )
@@ -103,26 +105,35 @@ def apply_copies(
     """``proposal`` with each row's slots replaced by its copy where a rule allows, and how
     many rows took a copy: every slot for a match of ``sure_ngram`` tokens; every slot
     after the first when the copy agrees with the network's first draft (the first slot
-    keeps its ``q``, which its token was drawn from; see the module docstring)."""
+    keeps its ``q``, which its token was drawn from; see the module docstring).
+
+    The rows' choices are made in Python, then written in one pass on the proposal's
+    device (the input is not modified)."""
     tokens, q_ids, q_probs = proposal.tokens, proposal.q_ids, proposal.q_probs
-    changed = 0
+    k = tokens.shape[1]
+    # the agreement rule reads the network's first drafts: one copy of that column to
+    # the host, and only when a row has a copy that rule could take
+    agreeing = any(copy and not is_sure(copy, n, sure_ngram) for copy, n in copies)
+    firsts = tokens[:, 0].tolist() if agreeing else []
+    changed, replace, values = 0, [[False] * k for _ in copies], [[0] * k for _ in copies]
     for i, (copy, n) in enumerate(copies):
         if is_sure(copy, n, sure_ngram):
             first = 0
-        elif copy and copy[0] == int(tokens[i, 0]):
+        elif copy and copy[0] == firsts[i]:
             first = 1  # the agreeing slot stays the network's own draw
         else:
             continue
-        if not changed:
-            tokens, q_ids, q_probs = tokens.clone(), q_ids.clone(), q_probs.clone()
         changed += 1
-        m = min(len(copy), tokens.shape[1])
-        if m <= first:
-            continue
-        ids = torch.tensor(copy[first:m], dtype=tokens.dtype)
-        tokens[i, first:m] = ids
-        q_ids[i, first:m] = 0
-        q_ids[i, first:m, 0] = ids
-        q_probs[i, first:m] = 0.0
-        q_probs[i, first:m, 0] = 1.0
-    return (Proposal(tokens, q_ids, q_probs) if changed else proposal), changed
+        for j in range(first, min(len(copy), k)):
+            replace[i][j], values[i][j] = True, copy[j]
+    if not changed:
+        return proposal, 0
+    dev = tokens.device
+    mask = torch.tensor(replace, dtype=torch.bool, device=dev).view(tokens.shape)
+    ids = torch.tensor(values, dtype=tokens.dtype, device=dev).view(tokens.shape)
+    # a copied slot's q: one-hot on its token (support slot 0; the other ids 0, no mass)
+    slot0 = torch.arange(q_ids.shape[-1], device=dev) == 0  # [K_q]
+    tokens = torch.where(mask, ids, tokens)
+    q_ids = torch.where(mask.unsqueeze(-1), ids.unsqueeze(-1) * slot0, q_ids)
+    q_probs = torch.where(mask.unsqueeze(-1), slot0.to(q_probs.dtype), q_probs)
+    return Proposal(tokens, q_ids, q_probs), changed

@@ -8,6 +8,14 @@ slots, with masks for missing rows, so a batch drafts exactly what each sequence
 alone, and the cost does not depend on the context length. With context copy
 (``context_copy.py``) a sequence whose recent text repeats takes the copied continuation
 and skips the block pass.
+
+A drafter runs on one torch device (``Drafter.random(..., device=)``,
+``Drafter.from_pretrained(..., device=)`` or ``Drafter.to(device)``): its network, every
+sequence's views and sampler live there, and the messages it receives (from a target on
+another GPU, or from host memory through Ray) move there on arrival. Its proposals stay
+on that device; ``DrafterWorker`` hands them back in host memory. Only the token history
+of context copy stays on the host (``context_copy.py`` says why); every tensor the round
+makes names its device.
 """
 
 from __future__ import annotations
@@ -35,12 +43,16 @@ from target_actor.messages import (
 
 
 def draw_uniforms(
-    generators: list[torch.Generator], temperature: torch.Tensor, k: int
+    generators: list[torch.Generator],
+    temperature: list[float],
+    k: int,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """``[n, k]`` uniforms, each row from its sequence's own generator (zeros when greedy)."""
+    """``[n, k]`` uniforms on ``device``, each row from its sequence's own generator (on that
+    device), zeros when greedy."""
     rows = [
-        torch.rand(k, generator=g) if t > 0 else torch.zeros(k)
-        for g, t in zip(generators, temperature.tolist(), strict=True)
+        torch.rand(k, generator=g, device=device) if t > 0 else torch.zeros(k, device=device)
+        for g, t in zip(generators, temperature, strict=True)
     ]
     return torch.stack(rows)
 
@@ -59,15 +71,25 @@ def draft_block(
     ``boundary`` ``[n, d]``: the fused boundary states, for drafters with ``boundary_input``;
     ``copies``: context-copy candidates and match lengths, for drafters with ``copy_input``.
     """
-    anchors = torch.tensor([r.anchor for r in requests])  # [n]
-    start = torch.tensor([r.position for r in requests])  # [n]
-    temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
-    positions = start.unsqueeze(1) + torch.arange(k + 1)  # [n, k+1]: anchor at `position`
-    h = net(net.embed_block(anchors, k, boundary, copies), positions, contexts)  # [n, k+1, d]
+    dev = net.device
+    ids = torch.tensor([[r.anchor, r.position] for r in requests], device=dev)  # [n, 2]
+    anchors, start = ids[:, 0], ids[:, 1]  # [n]
+    temps = [r.temperature for r in requests]
+    temperature = torch.tensor(temps, dtype=torch.float32, device=dev)
+    positions = start.unsqueeze(1) + torch.arange(k + 1, device=dev)  # [n, k+1]: anchor first
+    top = max(r.position for r in requests) + k  # the largest position, known without a sync
+    x = net.embed_block(anchors, k, boundary, copies)
+    h = net(x, positions, contexts, top=top)  # [n, k+1, d]
     base = net.logits(h[:, 1:])  # [n, k, V_d]: MASK slot i predicts the token at position+i
-    uniforms = draw_uniforms(generators, temperature, k)  # [n, k]
+    uniforms = draw_uniforms(generators, temps, k, dev)  # [n, k]
     tokens, q_ids, q_probs = sample_block(
-        base, net.to_draft_ids(anchors), net.markov, temperature, uniforms, net.cfg.proposal_support
+        base,
+        net.to_draft_ids(anchors),
+        net.markov,
+        temperature,
+        uniforms,
+        net.cfg.proposal_support,
+        all_greedy=all(t <= 0 for t in temps),
     )
     return Proposal(tokens=net.d2t[tokens], q_ids=net.d2t[q_ids], q_probs=q_probs)
 
@@ -91,12 +113,14 @@ class Drafter:
     copies_context = True  # keeps a token history for context copy (if the config asks)
 
     def __init__(self, net: DrafterNetwork, seed: int = 0) -> None:
+        """A drafter around ``net``, on ``net``'s device."""
         self.net = net.eval().requires_grad_(False)
         self.cfg = net.cfg
         self.scale = self.cfg.target.head_dim**-0.5
         self.states: dict[int, SequenceState] = {}
         self.num_copied = 0  # drafts that took a context copy
-        self._seeds = torch.Generator().manual_seed(seed)  # seeds unseeded sequences
+        # seeds unseeded sequences: host bookkeeping, the same seeds on every device
+        self._seeds = torch.Generator(device="cpu").manual_seed(seed)
 
     # -- construction ------------------------------------------------------------------
 
@@ -108,19 +132,21 @@ class Drafter:
         seed: int = 0,
         init_std: float = 0.02,
         d2t: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
     ) -> Drafter:
-        """A randomly initialised drafter for the target at ``target_dir``.
+        """A randomly initialised drafter for the target at ``target_dir``, on ``device``.
 
         With a reduced draft vocabulary, ``d2t`` (sorted target ids) defaults to the
         first ``draft_vocab_size`` ids. ``init_std`` scales the random weights (tests use
-        larger ones, so that drafts vary from slot to slot).
+        larger ones, so that drafts vary from slot to slot); they are drawn on the host,
+        so a seed gives the same weights on every device.
         """
         target = ModelConfig.from_pretrained(target_dir)
         cfg = config or DrafterConfig.for_target(target)
         net = DrafterNetwork(cfg, target)
         net.init_random(seed, init_std)
         net.set_target_weights(*load_target_head(target_dir, target), d2t)
-        return cls(net, seed)
+        return cls(net.to(device), seed)
 
     @classmethod
     def from_pretrained(
@@ -130,8 +156,10 @@ class Drafter:
         carry: bool | None = None,
         seed: int = 0,
         context_copy: bool | None = None,
+        device: torch.device | str = "cpu",
     ) -> Drafter:
-        """Load a saved drafter; ``carry`` / ``context_copy`` override the checkpoint's flags."""
+        """Load a saved drafter onto ``device``; ``carry`` / ``context_copy`` override the
+        checkpoint's flags."""
         cfg, weights = load_drafter_weights(drafter_dir)
         target = ModelConfig.from_pretrained(target_dir)
         if carry is not None:
@@ -147,21 +175,28 @@ class Drafter:
                 f"{drafter_dir}: weights do not fit its config: {first}"
             ) from None
         net.set_target_weights(*load_target_head(target_dir, target))
-        return cls(net, seed)
+        return cls(net.to(device), seed)
+
+    def to(self, device: torch.device | str) -> Drafter:
+        """Move the drafter (its network) to ``device``, before it holds sequences."""
+        if self.states:
+            raise DrafterStateError("move a drafter before it holds sequences")
+        self.net.to(device)
+        return self
 
     def cast(self, dtype: torch.dtype) -> Drafter:
         """Run in ``dtype``: bf16 where this CPU's bf16 GEMMs are faster. With the C GEMMs
-        only the GEMM weights turn bf16 and everything else (norms, attention, sequence
-        states) stays fp32, which is both faster (no casts, fp32 attention) and closer to
-        training. Drafts stay exact proposals: ``q`` is what they were sampled from."""
+        (on the host) only the GEMM weights turn bf16 and everything else (norms,
+        attention, sequence states) stays fp32, which is both faster (no casts, fp32
+        attention) and closer to training. Elsewhere (a GPU) the whole network and the
+        states take ``dtype``; the summary stays fp32. Drafts stay exact proposals: ``q``
+        is what they were sampled from. Cast after moving the drafter to its device."""
         if self.states:
             raise DrafterStateError("cast a drafter before it holds sequences")
-        if dtype == torch.bfloat16 and native.available():
+        if dtype == torch.bfloat16 and self.device.type == "cpu" and native.available():
             self.net.gemm_weights_to(dtype)
             return self
-        net, tied = self.net.to(dtype), self.net.lm_head is self.net.embed
-        net.embed = net.embed.to(dtype)
-        net.lm_head = net.embed if tied else net.lm_head.to(dtype)
+        self.net.to(dtype)  # a tied embedding and LM head stay one tensor
         return self
 
     def save_pretrained(self, folder: str | Path, dtype: str = "float32") -> None:
@@ -170,14 +205,16 @@ class Drafter:
     # -- the engine's calls ------------------------------------------------------------
 
     def summary_queries(self) -> torch.Tensor:
-        """``G`` ``[L, H, R, hd]`` fp32, for the target-side prefill summary."""
+        """``G`` ``[L, H, R, hd]`` fp32 on the drafter's device, for the target-side summary."""
         return self.net.summary_queries.detach().float().clone()
 
     def prefill(self, views: list[PrefillViews]) -> None:
         """Start (or restart) sequences from the views the target built for their prompts."""
-        for v in views:
+        for v in views:  # the state copies each view onto the device (its ids: the host)
             gen = self._generator(v.seed)
-            self.states[v.seq_id] = SequenceState.from_prefill(v, self.cfg, gen, self.dtype)
+            self.states[v.seq_id] = SequenceState.from_prefill(
+                v, self.cfg, gen, self.dtype, self.device
+            )
 
     @torch.no_grad()
     def propose(
@@ -209,7 +246,7 @@ class Drafter:
         part = self._draft(
             [states[i] for i in rows], [requests[i] for i in rows], k, [copies[i] for i in rows]
         )
-        proposal = scatter_proposal(part, rows, len(requests))
+        proposal = scatter_proposal(part, rows, len(requests))  # on part's device
         if not copying:
             return proposal
         proposal, copied = apply_copies(proposal, copies, sure)
@@ -225,7 +262,7 @@ class Drafter:
     ) -> Proposal:
         """The network's block pass for ``states`` (``copies``: their context-copy matches)."""
         if not states:
-            empty = torch.zeros(0, k, self.cfg.proposal_support)
+            empty = torch.zeros(0, k, self.cfg.proposal_support, device=self.device)
             return Proposal(empty[..., 0].long(), empty.long(), empty)
         contexts = self._contexts(states)
         boundary = (
@@ -234,7 +271,7 @@ class Drafter:
             else None
         )
         gens = [s.generator for s in states]
-        inputs = copy_inputs(copies, k) if self.cfg.copy_input else None
+        inputs = copy_inputs(copies, k, self.device) if self.cfg.copy_input else None
         return draft_block(self.net, requests, gens, contexts, k, boundary, inputs)
 
     @torch.no_grad()
@@ -265,13 +302,24 @@ class Drafter:
     def dtype(self) -> torch.dtype:
         return self.net.norm.dtype  # the activations' (and states') dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.net.device  # with its index for a GPU: what tensors report
+
     def _generator(self, seed: int | None) -> torch.Generator:
-        """A sequence's own sampler: seeded by the request, else from the drafter's seed."""
+        """A sequence's own sampler on the drafter's device: seeded by the request, else
+        from the drafter's seed (drawn on the host)."""
         if seed is None:
-            seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        return torch.Generator().manual_seed(seed)
+            seed = int(torch.randint(2**62, (1,), generator=self._seeds, device="cpu"))
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _arrive(self, update: RoundUpdate) -> RoundUpdate:
+        """``update`` with its tensors on the drafter's device (itself if they are there);
+        its token ids stay in host memory, where the context-copy history is kept."""
+        return update.to(self.device)
 
     def _apply(self, state: SequenceState, update: RoundUpdate) -> None:
+        update = self._arrive(update)
         state.apply(update, self.net.summary_queries, self.scale, self.cfg.carry)
 
     def _advance(self, r: DraftRequest) -> SequenceState:
@@ -288,17 +336,21 @@ class Drafter:
 
     def _contexts(self, states: list[SequenceState]) -> list[LayerContext]:
         """Stack the sequences' views into each layer's fixed-layout context."""
-        net, L = self.net, self.cfg.num_layers
-        length = torch.tensor([s.length for s in states])  # [n]
+        net, L, dev = self.net, self.cfg.num_layers, self.device
+        lengths = [s.length for s in states]
+        length = torch.tensor(lengths, device=dev)  # [n]
         feats = net.fuse(torch.stack([s.boundary for s in states])).unsqueeze(1)  # [n, 1, d]
         pos = (length - 1).unsqueeze(1)  # [n, 1]: the boundary position
-        mask = torch.ones(len(states), 1, dtype=torch.bool)
+        top = max(lengths) - 1  # the largest position, known without a sync
+        mask = torch.ones(len(states), 1, dtype=torch.bool, device=dev)
         if self.cfg.carry:
             carry = net.carry_features(torch.stack([s.carry for s in states]))  # [n, k_max, d]
             feats = torch.cat([feats, carry], 1)
-            pos = torch.cat([pos, length.unsqueeze(1) + torch.arange(carry.shape[1])], 1)
+            after = torch.arange(carry.shape[1], device=dev)
+            pos = torch.cat([pos, length.unsqueeze(1) + after], 1)
+            top += carry.shape[1]
             mask = torch.cat([mask, torch.stack([s.carry_mask() for s in states])], 1)
-        rows = net.project_context(feats, pos)  # L x [n, H_kv, 1 + k_max, hd]
+        rows = net.project_context(feats, pos, top)  # L x [n, H_kv, 1 + k_max, hd]
         # the rows go into each state's context buffer right after its window ring, so a
         # layer's context is the buffer itself (one sequence) or one stack of them
         W = states[0].ring_rows

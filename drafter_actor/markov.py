@@ -29,7 +29,8 @@ class MarkovHead(nn.Module):
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
         """Transition bias ``[..., V_d]`` for previous draft ids ``prev`` ``[...]``."""
         rows = F.embedding(prev, self.w1)
-        if torch.is_grad_enabled() or self.w2.dtype != torch.bfloat16:
+        host_bf16 = self.w2.dtype == torch.bfloat16 and self.w2.device.type == "cpu"
+        if torch.is_grad_enabled() or not host_bf16:  # the C GEMM only helps (and runs) there
             return rows @ self.w2
         return inference_linear(rows, self._w2_rows())
 
@@ -52,6 +53,7 @@ def sample_block(
     temperature: torch.Tensor,
     uniforms: torch.Tensor,
     support: int,
+    all_greedy: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft ``k`` tokens left to right, vectorised over the batch.
 
@@ -61,6 +63,8 @@ def sample_block(
         temperature: ``[n]``; ``<= 0`` drafts greedily.
         uniforms: ``[n, k]`` in ``[0, 1)``, drawn from each sequence's own generator.
         support: ``K_q``.
+        all_greedy: whether every row drafts greedily, when the caller knows (read off
+            ``temperature`` otherwise, which on a GPU waits for the device).
 
     Returns:
         draft tokens ``[n, k]``, and the proposal ``q`` as ids ``[n, k, K_q]`` and
@@ -73,7 +77,9 @@ def sample_block(
     one_hot[:, 0] = 1.0
     prev, tokens, q_ids, q_probs = anchor, [], [], []
     vocab, offsets = base.shape[-1], torch.arange(support, device=base.device)
-    if bool(greedy.all()):  # the loop below, for greedy rows only: what it draws, cheaper
+    if all_greedy is None:
+        all_greedy = bool(greedy.all())
+    if all_greedy:  # the loop below, for greedy rows only: what it draws, cheaper
         for i in range(k):
             prev = (base[:, i] + head(prev)).float().argmax(-1)
             tokens.append(prev)

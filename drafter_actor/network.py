@@ -21,6 +21,11 @@ build its views the same way.
 
 The token embedding and the LM head are the target's (frozen buffers, never saved);
 ``d2t`` (sorted target ids of the draft vocabulary) slices the LM head.
+
+The network runs on any torch device: ``net.to(device)`` moves its parameters, buffers
+and RoPE table (a tied embedding / LM head stays one tensor). On the host the GEMMs and
+norms take the C kernels where they apply (``inference_linear``, ``rms_norm``); those
+fall back to torch's ops on every other device.
 """
 
 from __future__ import annotations
@@ -172,13 +177,44 @@ class DrafterNetwork(nn.Module):
         self.register_buffer("t2d", torch.arange(t.vocab_size), persistent=False)  # [V]
         self.register_buffer("embed", torch.zeros(t.vocab_size, d), persistent=False)
         self.register_buffer("lm_head", torch.zeros(cfg.draft_vocab_size, d), persistent=False)
+        self.target_config = target
         self.rope = RotaryTable(target)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
+    def _apply(self, fn, recurse: bool = True):
+        """``to`` / ``cuda`` / ``float`` ...: a tied embedding and LM head move as one tensor
+        (twice the memory otherwise), and the RoPE table follows the parameters' device."""
+        tied = self.lm_head is self.embed
+        if tied:
+            self.lm_head = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            if tied:
+                self.lm_head = self.embed
+        if self.rope.cos.device != self.device:
+            self.rope = RotaryTable(self.target_config, device=self.device)
+        return self
+
+    def rotary(
+        self, positions: torch.Tensor, top: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE ``cos``, ``sin`` ``[..., hd]`` at ``positions``. ``top``: their largest value,
+        when the caller knows it; the table's own check reads it off ``positions``, which on
+        a GPU waits for the device (only needed when the table must grow)."""
+        if top is not None and top < self.rope.cos.shape[0]:
+            return self.rope.cos[positions], self.rope.sin[positions]
+        return self.rope.lookup(positions)
 
     # -- weights ------------------------------------------------------------------------
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
-        """Random drafter-owned weights (a random drafter still drafts, just badly)."""
-        gen = torch.Generator().manual_seed(seed)
+        """Random drafter-owned weights (a random drafter still drafts, just badly). Drawn
+        on the host, so a seed gives the same weights on every device."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if "norm" in name:
@@ -186,29 +222,30 @@ class DrafterNetwork(nn.Module):
                 elif name.startswith(("boundary_proj", "copy_bias")):
                     p.zero_()
                 elif name == "copy_proj.weight":
-                    p.copy_(torch.eye(p.shape[0]))
+                    p.copy_(torch.eye(p.shape[0], device="cpu"))
                 elif name == "summary_queries":  # scores of O(1) against the target's keys
-                    p.copy_(torch.randn(p.shape, generator=gen))
+                    p.copy_(torch.randn(p.shape, generator=gen, device="cpu"))
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                    p.copy_(torch.randn(p.shape, generator=gen, device="cpu") * std)
 
     def set_target_weights(
         self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor | None = None
     ) -> None:
         """Install the target's embedding ``[V, d]`` and LM head ``[V, d]`` (sliced to ``d2t``)."""
-        V = self.cfg.target.vocab_size
-        d2t = self.d2t if d2t is None else d2t.to(torch.long)
+        V, dev = self.cfg.target.vocab_size, self.device
+        d2t = self.d2t if d2t is None else d2t.to(dev, torch.long)
         if d2t.shape != (self.cfg.draft_vocab_size,) or not bool((d2t[1:] > d2t[:-1]).all()):
             raise ValueError("d2t must be a strictly increasing list of draft_vocab_size ids")
         if int(d2t[0]) < 0 or int(d2t[-1]) >= V:
             raise ValueError(f"d2t ids must lie in 0..{V - 1}")
         act, gemm = self.norm.dtype, self.fuse_proj.weight.dtype  # differ after gemm_weights_to
         self.d2t = d2t.clone()
-        self.t2d = torch.full((V,), self.cfg.draft_vocab_size, dtype=torch.long)
-        self.t2d[d2t] = torch.arange(len(d2t))
-        self.embed = embed.to(act)
-        head = lm_head if self.cfg.full_vocab else lm_head[d2t]  # full vocab: d2t == arange
-        self.lm_head = self.embed if head is embed and act == gemm else head.to(gemm)
+        self.t2d = torch.full((V,), self.cfg.draft_vocab_size, dtype=torch.long, device=dev)
+        self.t2d[d2t] = torch.arange(len(d2t), device=dev)
+        self.embed = embed.to(dev, act)
+        head = lm_head if self.cfg.full_vocab else lm_head[d2t.to(lm_head.device)]
+        # (full vocab: d2t == arange, and a tied head stays the embedding)
+        self.lm_head = self.embed if head is embed and act == gemm else head.to(dev, gemm)
 
     def gemm_weights_to(self, dtype: torch.dtype) -> None:
         """Cast only what the GEMMs read (linears, LM head, Markov ``W2``) to ``dtype``."""
@@ -229,10 +266,11 @@ class DrafterNetwork(nn.Module):
         return self.fuse(rejected + self.carry_embedding.view(rejected.shape[-2:]))
 
     def project_context(
-        self, feats: torch.Tensor, positions: torch.Tensor
+        self, feats: torch.Tensor, positions: torch.Tensor, top: int | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's K/V ``[N, H_kv, C, hd]`` of fused features ``[N, C, d]`` at ``positions``."""
-        cos, sin = self.rope.lookup(positions)  # [N, C, hd]
+        """Each layer's K/V ``[N, H_kv, C, hd]`` of fused features ``[N, C, d]`` at ``positions``
+        (``top``: their largest, if known; see ``rotary``)."""
+        cos, sin = self.rotary(positions, top)  # [N, C, hd]
         return [layer.kv(feats, cos, sin) for layer in self.layers]
 
     def embed_block(
@@ -265,10 +303,15 @@ class DrafterNetwork(nn.Module):
         return x
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, contexts: list[LayerContext]
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        contexts: list[LayerContext],
+        top: int | None = None,
     ) -> torch.Tensor:
-        """Block pass: embeddings ``[N, S, d]`` at ``positions`` ``[N, S]`` -> hidden ``[N, S, d]``."""
-        cos, sin = self.rope.lookup(positions)  # [N, S, hd]
+        """Block pass: embeddings ``[N, S, d]`` at ``positions`` ``[N, S]`` -> hidden ``[N, S, d]``
+        (``top``: the largest position, if known; see ``rotary``)."""
+        cos, sin = self.rotary(positions, top)  # [N, S, hd]
         for layer, ctx, g in zip(self.layers, contexts, self.summary_queries, strict=True):
             x = layer(x, cos, sin, ctx, g)
         return x

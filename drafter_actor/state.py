@@ -4,6 +4,9 @@ Every tensor here has a size fixed by the config, never by the context length ``
 ``state_bytes()`` is the same at 1K and at 32K tokens. The round update is ``O(k)``:
 append the committed K/V rows to the window ring, merge them into the summary, replace
 the boundary, replace the carry rows with the rejected positions' hidden states.
+
+The views live on the drafter's device (copied there from the messages, wherever those
+come from); only the token history stays in host memory, where context copy searches it.
 """
 
 from __future__ import annotations
@@ -43,15 +46,23 @@ class SequenceState:
     boundary: torch.Tensor  # [L, d]: tapped hidden states at position length-1
     carry: torch.Tensor  # [k_max, L, d]: rejected states at length..length+carry_len-1
     carry_len: int
-    generator: torch.Generator  # the sequence's own sampler
-    # the last ``history_len`` committed ids, right-aligned in a fixed buffer (context copy)
+    generator: torch.Generator  # the sequence's own sampler, on the drafter's device
+    # the last ``history_len`` committed ids, right-aligned in a fixed buffer (context
+    # copy), in host memory: ``find_copy`` scans it into Python lists every round
     history: torch.Tensor  # [HISTORY_TOKENS] int64
     history_len: int = 0
 
     @classmethod
     def from_prefill(
-        cls, views: PrefillViews, cfg: DrafterConfig, generator: torch.Generator, dtype: torch.dtype
+        cls,
+        views: PrefillViews,
+        cfg: DrafterConfig,
+        generator: torch.Generator,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> SequenceState:
+        """A state on ``device`` from ``views`` on any device: each view is copied once into
+        the state's own tensors there, its token ids into the host history."""
         t, L = cfg.target, cfg.num_layers
         w = views.window_k.shape[1]
         expect = {
@@ -71,25 +82,34 @@ class SequenceState:
                 f"expected {min(cfg.window, views.length)}"
             )
         extra = 1 + (cfg.block_size if cfg.carry else 0)
-        buf = torch.zeros(L, t.num_kv_heads, cfg.window + extra, t.head_dim, dtype=dtype)
+        rows = cfg.window + extra
+        buf = torch.zeros(L, t.num_kv_heads, rows, t.head_dim, dtype=dtype, device=device)
         state = cls(
             seq_id=views.seq_id,
             length=views.length - w,
             context_k=buf,
             context_v=buf.clone(),
             ring_rows=cfg.window,
-            summary_m=views.summary_m.float().clone(),
-            summary_lam=views.summary_lam.float().clone(),
-            boundary=views.boundary.to(dtype).clone(),
-            carry=torch.zeros(cfg.block_size, L, t.hidden_size, dtype=dtype),
+            summary_m=views.summary_m.to(device, torch.float32, copy=True),
+            summary_lam=views.summary_lam.to(device, torch.float32, copy=True),
+            boundary=views.boundary.to(device, dtype, copy=True),
+            carry=torch.zeros(cfg.block_size, L, t.hidden_size, dtype=dtype, device=device),
             carry_len=0,
             generator=generator,
-            history=torch.zeros(HISTORY_TOKENS, dtype=torch.long),
+            history=torch.zeros(HISTORY_TOKENS, dtype=torch.long, device="cpu"),  # host: above
         )
         state._write_window(views.window_k, views.window_v)
         if views.tokens is not None:
             state._append_history(views.tokens)
         return state
+
+    @property
+    def device(self) -> torch.device:
+        return self.context_k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.context_k.dtype
 
     @property
     def window_k(self) -> torch.Tensor:
@@ -105,7 +125,7 @@ class SequenceState:
         if tokens is None:
             self.history_len = 0
             return
-        tokens = tokens.to(torch.long)[-HISTORY_TOKENS:]
+        tokens = tokens[-HISTORY_TOKENS:].to("cpu", torch.long)  # a no-op for host ids
         n = tokens.shape[0]
         self.history = torch.cat([self.history[n:], tokens])
         self.history_len = min(HISTORY_TOKENS, self.history_len + n)
@@ -119,13 +139,14 @@ class SequenceState:
         W, n = self.window_k.shape[2], k.shape[1]
         start = self.length + max(0, n - W)
         k, v = k[:, -W:], v[:, -W:]  # rows older than the last W would be overwritten anyway
-        slots = torch.arange(start, start + k.shape[1]) % W
-        self.window_k.index_copy_(2, slots, k.transpose(1, 2).to(self.window_k.dtype))
-        self.window_v.index_copy_(2, slots, v.transpose(1, 2).to(self.window_v.dtype))
+        slots = torch.arange(start, start + k.shape[1], device=self.device) % W
+        self.window_k.index_copy_(2, slots, k.transpose(1, 2).to(self.device, self.dtype))
+        self.window_v.index_copy_(2, slots, v.transpose(1, 2).to(self.device, self.dtype))
         self.length += n
 
     def apply(self, update: RoundUpdate, g: torch.Tensor, scale: float, carry: bool) -> None:
-        """Apply one verification round's result (committed rows, boundary, rejected)."""
+        """Apply one verification round's result (committed rows, boundary, rejected);
+        ``update``'s tensors on this state's device (the drafter moves them on arrival)."""
         n = update.committed_k.shape[1]
         if update.seq_id != self.seq_id or update.length != self.length + n:
             raise DrafterStateError(
@@ -148,15 +169,15 @@ class SequenceState:
     def window_mask(self) -> torch.Tensor:
         """``[W]`` bool: which ring slots hold a row."""
         W = self.window_k.shape[2]
-        return torch.arange(W) < min(self.length, W)
+        return torch.arange(W, device=self.device) < min(self.length, W)
 
     def carry_mask(self) -> torch.Tensor:
         """``[k_max]`` bool: which carry rows are present."""
-        return torch.arange(self.carry.shape[0]) < self.carry_len
+        return torch.arange(self.carry.shape[0], device=self.device) < self.carry_len
 
     def carry_positions(self) -> torch.Tensor:
         """Absolute positions ``[carry_len]`` of the carry rows (the rejected positions)."""
-        return torch.arange(self.length, self.length + self.carry_len)
+        return torch.arange(self.length, self.length + self.carry_len, device=self.device)
 
     def state_bytes(self) -> int:
         """Bytes of this state's tensors (fixed in the context length)."""

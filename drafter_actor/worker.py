@@ -5,6 +5,10 @@ baseline) and every sequence's views; ``RayDrafter`` runs it as a Ray actor,
 ``LocalDrafter`` in this process, with the same interface (mirroring ``TargetGroup`` /
 ``LocalTarget``). The engine makes one call per round with the whole batch, carrying the
 views and round updates the target returned.
+
+The drafter runs on ``DrafterSpec.device`` (``cpu``, ``cuda``, ``cuda:1``); its answers
+(proposals, summary queries) come back in host memory whatever that device, which is
+what Ray serialises.
 """
 
 from __future__ import annotations
@@ -33,20 +37,50 @@ class DrafterSpec:
     context_copy: bool | None = None  # override the checkpoint's context-copy flag
     baseline: bool = False  # the full-prefix (DFlash-style) drafter instead of LongSpark
     num_threads: int | None = None
-    dtype: str = "auto"  # float32 | bfloat16 | auto: bf16 where this CPU's bf16 GEMMs win
+    dtype: str = "auto"  # float32 | bfloat16 | auto: bf16 on a GPU, or where this CPU's win
+    device: str = "cpu"  # cpu | cuda | cuda:N (in a Ray actor, "cuda" is its assigned GPU)
     overrides: dict[str, Any] | None = None  # DrafterConfig fields for a random drafter
     init_std: float = 0.02  # a random drafter's weight scale
 
 
-def drafter_dtype(name: str, cfg: DrafterConfig) -> torch.dtype:
-    """``name`` as a dtype; ``auto`` is the dense form the target's timing picks on this
-    machine (cached per machine) for the drafter's MLP shape."""
+def drafter_dtype(name: str, cfg: DrafterConfig, device: str | torch.device = "cpu") -> torch.dtype:
+    """``name`` as a dtype. ``auto``: on a CUDA device bfloat16 (no timing: the probe times
+    CPU GEMMs); on the host the dense form the target's timing picks on this machine
+    (cached per machine) for the drafter's MLP shape; fp32 on any other device."""
     from target_actor.weight_choice import choose
 
+    kind = torch.device(device).type
+    if name == "auto" and kind != "cpu":
+        return torch.bfloat16 if kind == "cuda" else torch.float32
     try:
         return choose(name, "none", (2 * cfg.mlp_width, cfg.target.hidden_size)).dtype
     except ValueError as exc:
         raise DrafterConfigError(str(exc)) from None
+
+
+def drafter_device(name: str) -> torch.device:
+    """``name`` as a device, a GPU with its index. ``cuda`` is the current GPU, made so: in
+    a Ray actor, the one Ray assigned it (its ``CUDA_VISIBLE_DEVICES`` shows it alone, as
+    ``cuda:0``). ``cuda:N`` leaves the process's current GPU alone: in-process, the target
+    beside the drafter may rely on it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise DrafterConfigError(f"unknown device {name!r}: {exc}") from None
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise DrafterConfigError(
+            f"device {name!r}, but CUDA is not available here "
+            "(no GPU, or none assigned to this actor: give it num_gpus)"
+        )
+    if device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise DrafterConfigError(f"device {name!r}: {torch.cuda.device_count()} GPU(s) here")
+        return device
+    index = torch.cuda.current_device()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 class DrafterWorker:
@@ -56,6 +90,7 @@ class DrafterWorker:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
+        device = drafter_device(spec.device)
         cls = FullPrefixDrafter if spec.baseline else Drafter
         if spec.drafter_path and spec.drafter_path != "random":
             self.drafter = cls.from_pretrained(
@@ -64,6 +99,7 @@ class DrafterWorker:
                 carry=spec.carry,
                 seed=spec.seed,
                 context_copy=spec.context_copy,
+                device=device,
             )
         else:
             overrides: dict[str, Any] = {"block_size": spec.k or 15, **(spec.overrides or {})}
@@ -74,9 +110,9 @@ class DrafterWorker:
             target = ModelConfig.from_pretrained(spec.target_path)
             config = DrafterConfig.for_target(target, **overrides)
             self.drafter = cls.random(
-                spec.target_path, config, seed=spec.seed, init_std=spec.init_std
+                spec.target_path, config, seed=spec.seed, init_std=spec.init_std, device=device
             )
-        self.drafter.cast(drafter_dtype(spec.dtype, self.drafter.cfg))
+        self.drafter.cast(drafter_dtype(spec.dtype, self.drafter.cfg, device))
         if spec.k is not None and not 1 <= spec.k <= self.drafter.cfg.block_size:
             raise DrafterConfigError(
                 f"k={spec.k} outside 1..{self.drafter.cfg.block_size} (the drafter's block size)"
@@ -86,7 +122,7 @@ class DrafterWorker:
         return self.drafter.cfg
 
     def summary_queries(self) -> torch.Tensor:
-        return self.drafter.summary_queries()
+        return self.drafter.summary_queries().to("cpu")  # itself on the host
 
     def prefill(self, views: list[PrefillViews]) -> None:
         self.drafter.prefill(views)
@@ -94,7 +130,8 @@ class DrafterWorker:
     def propose(
         self, requests: list[DraftRequest], k: int, updates: list[RoundUpdate] | None = None
     ) -> Proposal:
-        return self.drafter.propose(requests, k, updates)
+        """The drafter's proposal, in host memory (itself when the drafter is on the host)."""
+        return self.drafter.propose(requests, k, updates).to("cpu")
 
     def update(self, updates: list[RoundUpdate]) -> None:
         """Take a round's updates without drafting (the engine ran a plain round)."""
@@ -148,7 +185,8 @@ class LocalDrafter:
 
 
 class RayDrafter:
-    """The drafter as one Ray actor (``{"CPU": 1}`` by default, ``num_gpus`` on GPU hosts).
+    """The drafter as one Ray actor (``{"CPU": 1}`` by default; with ``device="cuda"``,
+    ``num_gpus`` > 0, a fraction to share a GPU).
 
     Every call waits for its result except ``free`` (fire and forget: the actor runs calls
     in order); ``prefill`` waits so that a bad view fails at admission rather than at the
@@ -176,6 +214,9 @@ class RayDrafter:
         scheduling_strategy: Any = None,
         **spec: Any,
     ) -> None:
+        if str(spec.get("device", "cpu")).startswith("cuda") and num_gpus <= 0:
+            # Ray hides every GPU from an actor that asked for none
+            raise DrafterConfigError(f"drafter device {spec['device']!r} needs num_gpus > 0")
         import ray
 
         self._ray = ray

@@ -47,6 +47,11 @@ class TargetSpec:
             check_kv_dtype(self.kv_dtype)
         except ValueError as exc:
             raise TargetConfigError(str(exc)) from None
+        if self.quant in ("int8", "int4") and not self.device.startswith("cpu"):
+            raise TargetConfigError(
+                f"--quant {self.quant} runs on the CPU kernels only; on {self.device} use"
+                " --quant none"
+            )
         if self.kv_cache_tokens < 16:
             raise TargetConfigError("kv_cache_tokens must be at least 16")
 

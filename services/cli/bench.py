@@ -99,6 +99,12 @@ def _add_serving_benchmarks(bench_sub: Any) -> None:
     svc.add_argument("--tp", type=positive_int, default=None)
     svc.add_argument("--max-num-seqs", type=positive_int, default=None)
     svc.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="the started services' target and drafter (default: cpu)",
+    )
+    svc.add_argument(
         "--serve-arg",
         type=key_value,
         action="append",
@@ -193,9 +199,11 @@ def _throughput(args: argparse.Namespace) -> dict[str, Any]:
     from services.bench.throughput import ThroughputConfig, run_throughput_bench
 
     serve_args = dict(args.serve_arg)
-    for name in ("target", "drafter", "k", "tp", "max_num_seqs"):
+    for name in ("target", "drafter", "k", "tp", "max_num_seqs", "device"):
         if getattr(args, name) is not None:
             serve_args[name] = getattr(args, name)
+    if args.url is None:
+        _check_devices(serve_args)
     cfg = ThroughputConfig(
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
@@ -213,6 +221,20 @@ def _throughput(args: argparse.Namespace) -> dict[str, Any]:
         serve_args=serve_args,
     )
     return run_throughput_bench(cfg)
+
+
+def _check_devices(serve_args: dict[str, Any]) -> None:
+    """Fail before Ray starts when the services to start ask for GPUs that are not here."""
+    from pydantic import ValidationError
+
+    from services.engine.backends import check_devices
+    from services.serving.config import ServeArgs
+
+    try:
+        cfg = ServeArgs.model_validate(serve_args)
+    except ValidationError:
+        return  # the benchmark reports it where it validates them
+    check_devices(cfg, use_ray=True)
 
 
 def _peers(args: argparse.Namespace) -> dict[str, Any]:

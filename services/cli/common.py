@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.cli.types import positive_int
+from services.cli.types import positive_int, torch_device
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +51,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="draft k tokens every round (default: adapt k per round, 0 when drafting cannot pay)",
     )
     p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="the target (each TP rank on a GPU of its own) and the drafter: cpu or cuda",
+    )
+    p.add_argument(
+        "--drafter-device",
+        type=torch_device,
+        default=None,
+        help="local backend: the drafter on another device than the target, e.g. cuda:1",
+    )
+    p.add_argument(
         "--backend",
         choices=["local", "ray"],
         default="local",
@@ -81,4 +93,6 @@ def engine_options(args: argparse.Namespace):
         k=getattr(args, "k", None),
         adaptive=not getattr(args, "fixed_k", False),
         carry=not getattr(args, "no_carry", False),
+        device=getattr(args, "device", "cpu"),
+        drafter_device=getattr(args, "drafter_device", None),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.cli.types import gpu_share
 from services.cli.types import positive_int as _positive_int
 from services.serving.launch import DEFAULT_CONFIG
 
@@ -75,6 +76,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--quant", default=None, help="GEMM weights: auto, none, int8, int4")
     model.add_argument(
         "--kv-dtype", default=None, help="KV cache: auto (as --dtype), float32, bfloat16"
+    )
+    model.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="cuda: every target rank on a GPU of its own (NCCL), the drafter on one too"
+        " (default: cpu)",
+    )
+    model.add_argument(
+        "--gpus-per-rank",
+        type=gpu_share,
+        default=None,
+        help="share of a GPU each target rank reserves (default: 1)",
+    )
+    model.add_argument(
+        "--drafter-gpus",
+        type=gpu_share,
+        default=None,
+        help="share of a GPU the drafter reserves (default: 1; 0.5 with --gpus-per-rank 0.5"
+        " puts a TP=1 target and the drafter on one GPU)",
     )
     model.add_argument(
         "--generation-config",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 from urllib.parse import urlparse
 
@@ -23,6 +24,24 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def gpu_share(text: str) -> float:
+    """A share of one GPU, in (0, 1] (Ray packs fractional GPUs onto one device)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {value:g}")
+    return value
+
+
+def torch_device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
 
 
 def positive_int_list(text: str) -> list[int]:

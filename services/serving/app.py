@@ -322,8 +322,28 @@ EngineIngressDeployment = serve.deployment(name=ENGINE_DEPLOYMENT)(
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """The app for ``serve run`` / ``serve.run``: validate and resolve ``args`` once."""
+    """The app for ``serve run`` / ``serve.run``: validate and resolve ``args`` once.
+
+    No hardware check here: on a cluster the app is built where Serve runs (a CPU-only
+    head, say) and an autoscaler may add the GPU nodes later; ``longspark serve`` checks
+    this machine's GPUs before it starts Ray."""
     cfg = ServeArgs.model_validate(args or {}).resolved()
+    engine_options = engine_deployment_options(cfg)
+    resolved = cfg.model_dump()
+    if cfg.ingress == "replica":
+        return EngineIngressDeployment.options(**engine_options).bind(resolved)
+    engine = EngineDeployment.options(**engine_options).bind(resolved)
+    ingress = IngressDeployment.options(
+        num_replicas=cfg.ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max(1000, 2 * cfg.max_replicas * cfg.max_ongoing_requests),
+    )
+    return ingress.bind(engine, resolved)
+
+
+def engine_deployment_options(cfg: ServeArgs) -> dict[str, Any]:
+    """The engine deployment's Serve options: one ``STRICT_PACK`` placement group per
+    replica (``ServeArgs.bundles``), its scaling and its queue limits."""
     engine_options: dict[str, Any] = dict(
         placement_group_bundles=cfg.bundles(),
         placement_group_strategy="STRICT_PACK",
@@ -338,18 +358,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         engine_options["autoscaling_config"] = cfg.autoscaling()
     else:
         engine_options["num_replicas"] = cfg.min_replicas
-    resolved = cfg.model_dump()
     if cfg.ingress == "replica":
         # Serve must not push back before the replica does (its 503 is not OpenAI JSON)
         engine_options["max_ongoing_requests"] = max(
             1000, 2 * (cfg.max_ongoing_requests + max(cfg.max_queued_requests, 0))
         )
         engine_options["max_queued_requests"] = -1
-        return EngineIngressDeployment.options(**engine_options).bind(resolved)
-    engine = EngineDeployment.options(**engine_options).bind(resolved)
-    ingress = IngressDeployment.options(
-        num_replicas=cfg.ingress_replicas,
-        ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=max(1000, 2 * cfg.max_replicas * cfg.max_ongoing_requests),
-    )
-    return ingress.bind(engine, resolved)
+    return engine_options

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from services.engine.backends import EngineOptions
 
@@ -40,9 +40,10 @@ def split_keys(text: str | None) -> list[str]:
 class ServeArgs(EngineOptions):
     """Everything a deployment of the service needs; field names match ``longspark serve``.
 
-    The engine's own settings (target, tp, dtype, mode, drafter, k, adaptive, carry,
-    context_copy, max_num_seqs, kv_cache_tokens, seed) are ``EngineOptions``' fields,
-    inherited as they are; the rest is serving's.
+    The engine's own settings (target, tp, dtype, quant, kv_dtype, mode, drafter, k,
+    adaptive, carry, context_copy, max_num_seqs, kv_cache_tokens, seed, and the devices:
+    device, gpus_per_rank, drafter_gpus) are ``EngineOptions``' fields, inherited as they
+    are; the rest is serving's. ``device: gpu`` (the old spelling) reads as ``cuda``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -60,8 +61,8 @@ class ServeArgs(EngineOptions):
         " hung: its requests fail with 503 and the replica is replaced",
     )
 
-    # placement: one bundle for the engine, one per target rank, one for the drafter
-    device: Literal["cpu", "gpu"] = Field("cpu", description="gpu: one GPU per rank/drafter")
+    # placement: one bundle for the engine, one per target rank, one for the drafter; with
+    # device cuda a rank's bundle holds gpus_per_rank GPU and the drafter's drafter_gpus
     cpus_per_actor: float = Field(
         1.0, gt=0, description="logical CPUs per bundle (engine, each rank, the drafter)"
     )
@@ -144,11 +145,21 @@ class ServeArgs(EngineOptions):
         default_factory=dict, description="what requests get unset (set by resolved())"
     )
 
+    @field_validator("device", mode="before")
+    @classmethod
+    def _old_gpu_spelling(cls, v: Any) -> Any:
+        return "cuda" if v == "gpu" else v
+
     @model_validator(mode="after")
     def _check(self) -> ServeArgs:
         if self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})"
+            )
+        if self.drafter_device is not None:
+            raise ValueError(
+                "drafter_device is for in-process engines: a replica's drafter is a Ray actor"
+                " with drafter_gpus of a GPU of its own"
             )
         return self
 
@@ -193,16 +204,25 @@ class ServeArgs(EngineOptions):
         return self.drafter if self.drafter in (None, "random") else Path(self.drafter).name
 
     # -- what Serve needs -----------------------------------------------------------
-    def actor_resources(self) -> dict[str, float]:
-        """One bundle: a target rank or the drafter (the engine's bundle has no GPU)."""
-        if self.device == "gpu":
-            return {"CPU": self.cpus_per_actor, "GPU": 1.0}
+    def rank_resources(self) -> dict[str, float]:
+        """One target rank's bundle."""
+        return self._bundle(self.gpus_per_rank)
+
+    def drafter_resources(self) -> dict[str, float]:
+        """The drafter's bundle."""
+        return self._bundle(self.drafter_gpus)
+
+    def _bundle(self, gpus: float) -> dict[str, float]:
+        if self.device == "cuda":
+            return {"CPU": self.cpus_per_actor, "GPU": gpus}
         return {"CPU": self.cpus_per_actor}
 
     def bundles(self) -> list[dict[str, float]]:
-        """Engine replica first (it runs in bundle 0), then ``tp`` ranks, then the drafter."""
-        actors = self.tp + (1 if self.mode == "spec" else 0)
-        return [{"CPU": self.cpus_per_actor}] + [self.actor_resources() for _ in range(actors)]
+        """Engine replica first (it runs in bundle 0, no GPU), then ``tp`` ranks, then the
+        drafter (spec mode)."""
+        ranks = [self.rank_resources() for _ in range(self.tp)]
+        drafter = [self.drafter_resources()] if self.mode == "spec" else []
+        return [{"CPU": self.cpus_per_actor}, *ranks, *drafter]
 
     def autoscaling(self) -> dict[str, Any]:
         return {

@@ -37,6 +37,9 @@ OVERRIDES = {
     "dtype": "dtype",
     "quant": "quant",
     "kv_dtype": "kv_dtype",
+    "device": "device",
+    "gpus_per_rank": "gpus_per_rank",
+    "drafter_gpus": "drafter_gpus",
     "min_replicas": "min_replicas",
     "max_replicas": "max_replicas",
     "ingress": "ingress",
@@ -90,6 +93,7 @@ def run_server(args: argparse.Namespace) -> None:
     from ray import serve
 
     from api import proxy_guard
+    from services.engine.backends import check_devices
     from services.serving.app import build_app
     from services.serving.config import RAY_SYSTEM_CONFIG, ServeArgs
     from services.serving.drain import create_signal
@@ -103,6 +107,7 @@ def run_server(args: argparse.Namespace) -> None:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ValueError(f"{where + ': ' if where else ''}{first['msg']}") from None
+    check_devices(cfg, use_ray=True)  # this machine's GPUs: the Ray started below sees them
     if cfg.mode == "ar" and app_args.get("mode", "spec") == "spec":
         print(
             f"No trained drafter ships for {Path(cfg.target).name}: serving PLAIN decoding. "
@@ -191,7 +196,8 @@ def _print_banner(cfg: Any, host: str, port: int, dashboard: bool) -> None:
     )  # fmt: skip
     lines = [
         f"longspark serving {cfg.model_name} at {url}/v1 (OpenAI API)",
-        f"  mode: {cfg.mode}, drafter: {cfg.drafter_label}, TP={cfg.tp}, replicas: {replicas}",
+        f"  mode: {cfg.mode}, drafter: {cfg.drafter_label}, TP={cfg.tp}, device: {cfg.device},"
+        f" replicas: {replicas}",
         f"  auth: {'bearer token required' if cfg.api_key else 'off'}",
     ]
     if dashboard:

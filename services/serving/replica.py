@@ -2,7 +2,8 @@
 
 Serve reserves one placement group per engine replica (``ServeArgs.bundles``): bundle 0
 holds the replica itself (the engine thread), bundles ``1..tp`` the target ranks and
-bundle ``tp + 1`` the drafter, ``STRICT_PACK``. The target ranks and the drafter are
+bundle ``tp + 1`` the drafter, ``STRICT_PACK`` (on GPUs: a rank's bundle holds
+``gpus_per_rank`` of a GPU, the drafter's ``drafter_gpus``). The target ranks and the drafter are
 started in exactly those bundles, so a replica's resources are reserved all at once and
 freed with it. Outside a placement group (tests that build an engine directly), the
 target reserves its own, as ``TargetGroup`` does.
@@ -32,7 +33,7 @@ def build_replica_engine(
     from drafter_actor.worker import RayDrafter
 
     pg = get_current_placement_group()
-    resources = args.actor_resources()
+    rank_res, drafter_res = args.rank_resources(), args.drafter_resources()
     spec = args.target_spec(num_threads=args.rank_threads).resolved(args.tp)
     drafter: ResilientDrafter | None = None
     if args.mode == "spec":
@@ -48,10 +49,10 @@ def build_replica_engine(
             return RayDrafter(
                 args.target,
                 args.drafter,
-                num_cpus=resources["CPU"],
-                num_gpus=resources.get("GPU", 0.0),
+                num_cpus=drafter_res["CPU"],
+                num_gpus=drafter_res.get("GPU", 0.0),
                 scheduling_strategy=strategy,
-                **args.drafter_kwargs(),
+                **args.drafter_kwargs(ray=True),
             )
 
         drafter = ResilientDrafter(start_drafter, args.drafter_timeout_s)
@@ -61,8 +62,8 @@ def build_replica_engine(
         target: TargetGroup = TargetGroup(
             spec,
             args.tp,
-            resources["CPU"],
-            resources.get("GPU", 0.0),
+            rank_res["CPU"],
+            rank_res.get("GPU", 0.0),
             window,
             pg=pg,
             first_bundle=1,
@@ -72,8 +73,8 @@ def build_replica_engine(
         target = TargetGroup(
             spec,
             args.tp,
-            resources["CPU"],
-            resources.get("GPU", 0.0),
+            rank_res["CPU"],
+            rank_res.get("GPU", 0.0),
             window=window,
             silence_s=args.rank_silence_s,
         )

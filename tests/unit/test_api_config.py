@@ -27,13 +27,49 @@ def app_args(doc: dict) -> ServeArgs:
     return ServeArgs.model_validate(app.args)
 
 
-@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-node.yaml", "cluster.yaml"])
+def serve_configs() -> dict[str, dict]:
+    """Every Serve config under deploy/: the files with applications, and the serveConfigV2
+    a KubeRay manifest embeds."""
+    found = {}
+    for path in sorted(DEPLOY.rglob("*.yaml")):
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
+            if isinstance(doc, dict) and doc.get("kind") == "RayService":
+                doc = yaml.safe_load(doc["spec"]["serveConfigV2"])
+            if isinstance(doc, dict) and "applications" in doc:
+                found[f"{path.name}#{i}" if i else path.name] = doc
+    return found
+
+
+def test_every_deploy_yaml_with_serve_args_is_checked():
+    assert {"local-cpu.yaml", "gpu-node.yaml", "gpu-single.yaml", "cluster.yaml"} <= set(
+        serve_configs()
+    )
+    assert "kuberay-rayservice.yaml" in serve_configs()
+
+
+@pytest.mark.parametrize("name", sorted(serve_configs()))
 def test_serve_configs_validate(name):
-    args = app_args(yaml.safe_load((DEPLOY / name).read_text()))
-    bundles = args.bundles()
+    from services.serving.app import engine_deployment_options
+
+    args = app_args(serve_configs()[name])
+    options = engine_deployment_options(args)  # what build_app hands Serve, Ray not started
+    bundles = options["placement_group_bundles"]
+    assert options["placement_group_strategy"] == "STRICT_PACK"
     assert len(bundles) == 1 + args.tp + (args.mode == "spec")
-    if args.device == "gpu":
-        assert all(b["GPU"] == 1 for b in bundles[1:]) and "GPU" not in bundles[0]
+    assert "GPU" not in bundles[0]  # the engine replica itself
+    if args.device == "cuda":
+        ranks, drafter = bundles[1 : 1 + args.tp], bundles[1 + args.tp :]
+        assert all(b["GPU"] == args.gpus_per_rank for b in ranks)
+        assert all(b["GPU"] == args.drafter_gpus for b in drafter)
+        assert args.tp == 1 or args.gpus_per_rank > 0.5  # no two NCCL ranks on one GPU
+    else:
+        assert all("GPU" not in b for b in bundles)
+
+
+def test_single_gpu_config_fits_one_gpu():
+    args = app_args(serve_configs()["gpu-single.yaml"])
+    assert args.device == "cuda" and args.tp == 1 and args.mode == "spec"
+    assert sum(b.get("GPU", 0) for b in args.bundles()) == 1
 
 
 def test_local_cpu_config_fits_a_two_cpu_ray_and_listens_on_localhost():
@@ -47,10 +83,15 @@ def test_kuberay_service_embeds_a_valid_serve_config():
     doc = yaml.safe_load((DEPLOY / "kuberay-rayservice.yaml").read_text())
     assert doc["kind"] == "RayService"
     args = app_args(yaml.safe_load(doc["spec"]["serveConfigV2"]))
-    assert args.device == "gpu" and args.max_replicas > args.min_replicas
+    assert args.device == "cuda" and args.max_replicas > args.min_replicas
     cluster = doc["spec"]["rayClusterConfig"]
-    gpus = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]
-    assert int(gpus["limits"]["nvidia.com/gpu"]) >= len(args.bundles()) - 1
+    (worker,) = cluster["workerGroupSpecs"]
+    gpus = worker["template"]["spec"]["containers"][0]["resources"]
+    per_replica = sum(b.get("GPU", 0) for b in args.bundles())
+    assert int(gpus["limits"]["nvidia.com/gpu"]) >= per_replica  # one replica fits a worker
+    assert gpus["requests"]["nvidia.com/gpu"] == gpus["limits"]["nvidia.com/gpu"]
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
+    assert "nvidia.com/gpu" not in head["limits"]  # replicas land on the GPU workers
 
 
 def test_cli_defaults_come_from_local_cpu_yaml_and_options_override():
