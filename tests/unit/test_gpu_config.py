@@ -19,14 +19,24 @@ NO_GPU = (0, False)  # visible_gpus() on a machine without CUDA
 
 
 @pytest.fixture
-def no_cuda(monkeypatch):
+def no_ray():
+    """No Ray running in this process (an earlier test may have left one): the CLI then
+    counts the GPUs torch sees, as on a fresh start."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def no_cuda(monkeypatch, no_ray):
     """This machine has no CUDA, whatever it really has."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 @pytest.fixture
-def one_gpu(monkeypatch):
+def one_gpu(monkeypatch, no_ray):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
