@@ -21,6 +21,7 @@ import torch
 from drafter_actor.baseline import FullPrefixDrafter
 from drafter_actor.config import DrafterConfig, DrafterConfigError
 from drafter_actor.drafter import Drafter
+from target_actor.channel import dumps, loads
 from target_actor.config import ModelConfig
 from target_actor.messages import DraftRequest, PrefillViews, Proposal, RoundUpdate
 
@@ -120,6 +121,13 @@ class DrafterWorker:
 
     def config(self) -> DrafterConfig:
         return self.drafter.cfg
+
+    def call_packed(self, method: str, payload: bytes) -> bytes:
+        """``method(*args)`` with the arguments and the result each packed in one buffer
+        (``target_actor.channel``'s pickling: a tensor is its raw bytes) rather than Ray's
+        per-tensor pickling, which moved a round's updates at C=8 (40 small tensors) in
+        ~9.7 ms against ~3.2 packed."""
+        return dumps(getattr(self, method)(*loads(payload)))
 
     def summary_queries(self) -> torch.Tensor:
         return self.drafter.summary_queries().to("cpu")  # itself on the host
@@ -235,23 +243,35 @@ class RayDrafter:
         self.window = self.cfg.window
         self.pending: list[RoundUpdate] = []
 
+    def remote(self, method: str, *args: Any) -> Any:
+        """Start ``method(*args)`` on the actor, its tensors packed (``call_packed``); the
+        result comes back through ``unpack(ray.get(ref))``."""
+        return self.actor.call_packed.remote(method, dumps(args))
+
+    @staticmethod
+    def unpack(payload: bytes) -> Any:
+        return loads(payload)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self.unpack(self._ray.get(self.remote(method, *args)))
+
     def summary_queries(self) -> torch.Tensor:
-        return self._ray.get(self.actor.summary_queries.remote())
+        return self._call("summary_queries")
 
     def prefill(self, views: list[PrefillViews]) -> None:
         self.drop_pending([v.seq_id for v in views])
-        self._ray.get(self.actor.prefill.remote(views))
+        self._call("prefill", views)
 
     def propose(
         self, requests: list[DraftRequest], k: int, updates: list[RoundUpdate] | None = None
     ) -> Proposal:
-        return self._ray.get(self.actor.propose.remote(requests, k, self.take_pending(updates)))
+        return self._call("propose", requests, k, self.take_pending(updates))
 
     def update(self, updates: list[RoundUpdate]) -> None:
         """Hold a plain round's updates for the next call (see the class docstring)."""
         self.pending.extend(updates)
         if len(self.pending) >= self.FLUSH_AT:
-            self.actor.update.remote(self.take_pending())  # fire and forget: actor order
+            self.remote("update", self.take_pending())  # fire and forget: actor order
 
     def take_pending(self, updates: list[RoundUpdate] | None = None) -> list[RoundUpdate]:
         """The held updates, then ``updates``, in round order; the buffer empties."""

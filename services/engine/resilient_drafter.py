@@ -70,7 +70,7 @@ class ResilientDrafter:
         if self._restart is None:
             try:
                 self.inner.drop_pending([v.seq_id for v in views])
-                self._ray.get(self.inner.actor.prefill.remote(views), timeout=self.timeout_s)
+                self._ray.get(self.inner.remote("prefill", views), timeout=self.timeout_s)
                 return
             except Exception as exc:  # noqa: BLE001 - actor death, timeout, task error
                 self._failed(exc, [])
@@ -90,11 +90,11 @@ class ResilientDrafter:
         part = [requests[i] for i in rows]
         self.seen.update(r.seq_id for r in part)
         try:
-            ref = self.inner.actor.propose.remote(part, k, self.inner.take_pending(updates))
+            ref = self.inner.remote("propose", part, k, self.inner.take_pending(updates))
             ready, _ = self._ray.wait([ref], timeout=self.timeout_s)
             if not ready:
                 raise TimeoutError(f"no proposal within {self.timeout_s:g}s")
-            proposal = self._ray.get(ref)
+            proposal = self.inner.unpack(self._ray.get(ref))
         except Exception as exc:  # noqa: BLE001 - actor death, timeout, task error
             self.fallbacks += 1
             self._failed(exc, part)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from drafter_actor.worker import RayDrafter
+from target_actor.channel import dumps, loads
 from target_actor.messages import DraftRequest, RoundUpdate
 
 
@@ -13,6 +14,10 @@ class _Method:
         self.log, self.name = log, name
 
     def remote(self, *args):
+        if self.name == "call_packed":  # a tensor-carrying call: (method, packed args)
+            method, payload = args
+            self.log.append((method, loads(payload)))
+            return dumps(None)
         self.log.append((self.name, args))
         return args
 
