@@ -24,6 +24,7 @@ from drafter_actor.drafter import Drafter
 from target_actor.channel import dumps, loads
 from target_actor.config import ModelConfig
 from target_actor.messages import DraftRequest, PrefillViews, Proposal, RoundUpdate
+from target_actor.priority import raise_thread_priority
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class DrafterWorker:
     """The drafter actor. Wrapped with ``ray.remote`` by ``RayDrafter``."""
 
     def __init__(self, spec: DrafterSpec) -> None:
+        raise_thread_priority()  # the actor's calls run on this thread (target_actor.priority)
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec

@@ -32,6 +32,7 @@ from target_actor.batch import (
 from target_actor.channel import ChannelGroup, new_key, serve
 from target_actor.config import ModelConfig
 from target_actor.parallel import init_distributed
+from target_actor.priority import raise_thread_priority
 from target_actor.runner import TargetRunner, TargetSpec, resolve_device
 from target_actor.verifier import Verifier
 
@@ -79,6 +80,7 @@ class TargetWorker:
         """``setup`` or one verifier method (``verify``, ``prefill``, ``free``, ``kv_stats``...);
         rank 0's result (the others return None)."""
         if method == "setup":
+            raise_thread_priority()  # this thread and the OpenMP team it makes compute
             result = self.setup(*args)
         else:
             result = getattr(self.verifier, method)(*args)

@@ -44,6 +44,7 @@ from services.engine.sequence import RequestOutput, SeqStatus
 from services.engine.tokenizer import Tokenizer
 from target_actor.config import TargetConfigError
 from target_actor.errors import LongSparkError
+from target_actor.priority import raise_thread_priority
 
 log = logging.getLogger("longspark.async_engine")
 
@@ -299,6 +300,7 @@ class AsyncEngine:
 
     # -- engine thread --------------------------------------------------------------
     def _run(self) -> None:
+        raise_thread_priority()  # on every round's critical path (target_actor.priority)
         engine = self.engine
         while not self._stop.is_set():
             busy = engine.has_unfinished() and self._dead is None
