@@ -199,6 +199,17 @@ class Drafter:
         self.net.to(dtype)  # a tied embedding and LM head stay one tensor
         return self
 
+    def quantize_int8(self) -> Drafter:
+        """GEMM weights as Q8_0 blocks through the VNNI integer kernels, activations and
+        states fp32 (``DrafterNetwork.gemm_weights_int8``); host only. As with ``cast``,
+        drafts stay exact proposals."""
+        if self.states:
+            raise DrafterStateError("quantize a drafter before it holds sequences")
+        if not self.net.int8_gemms_fit():
+            raise DrafterConfigError("int8 drafter GEMMs need the host's VNNI kernels (csrc/q4.c)")
+        self.net.gemm_weights_int8()
+        return self
+
     def save_pretrained(self, folder: str | Path, dtype: str = "float32") -> None:
         save_drafter(folder, self.cfg, self.net.state_dict(), dtype)
 

@@ -21,6 +21,8 @@ from target_actor.linear import inference_linear
 
 
 class MarkovHead(nn.Module):
+    w2t_q8 = None  # ``w2`` as int8 ``[V_d, r]`` rows (``DrafterNetwork.gemm_weights_int8``)
+
     def __init__(self, vocab: int, rank: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.zeros(vocab + 1, rank))  # [V_d + 1, r]; last: out of vocab
@@ -29,6 +31,9 @@ class MarkovHead(nn.Module):
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
         """Transition bias ``[..., V_d]`` for previous draft ids ``prev`` ``[...]``."""
         rows = F.embedding(prev, self.w1)
+        if self.w2t_q8 is not None and not torch.is_grad_enabled():  # int8 (VNNI) rows
+            flat = rows.reshape(-1, rows.shape[-1]).float().contiguous()
+            return self.w2t_q8(flat).view(*rows.shape[:-1], -1)
         host_bf16 = self.w2.dtype == torch.bfloat16 and self.w2.device.type == "cpu"
         if torch.is_grad_enabled() or not host_bf16:  # the C GEMM only helps (and runs) there
             return rows @ self.w2

@@ -40,7 +40,7 @@ from drafter_actor.config import DrafterConfig
 from drafter_actor.context_copy import MAX_NGRAM
 from drafter_actor.markov import MarkovHead
 from target_actor.config import ModelConfig
-from target_actor.linear import inference_linear
+from target_actor.linear import Int8Linear, inference_linear, native_q4_lib
 from target_actor.model import rms_norm
 from target_actor.rope import RotaryTable, apply_rope
 
@@ -57,10 +57,21 @@ class LayerContext:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (no bias) whose inference forward takes the C GEMM in bf16."""
+    """``nn.Linear`` (no bias) whose inference forward takes a C GEMM: int8 (``q8``, set by
+    ``DrafterNetwork.gemm_weights_int8``) or bf16."""
+
+    q8: Int8Linear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q8 is not None and not torch.is_grad_enabled():
+            return int8_linear(self.q8, x)
         return inference_linear(x, self.weight)
+
+
+def int8_linear(q8: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., in]`` through an int8 linear (fp32 in, fp32 out)."""
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    return q8(rows).view(*x.shape[:-1], q8.out_features)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -179,6 +190,7 @@ class DrafterNetwork(nn.Module):
         self.register_buffer("lm_head", torch.zeros(cfg.draft_vocab_size, d), persistent=False)
         self.target_config = target
         self.rope = RotaryTable(target)
+        self.lm_head_q8: Int8Linear | None = None  # set by gemm_weights_int8
 
     @property
     def device(self) -> torch.device:
@@ -246,6 +258,22 @@ class DrafterNetwork(nn.Module):
         head = lm_head if self.cfg.full_vocab else lm_head[d2t.to(lm_head.device)]
         # (full vocab: d2t == arange, and a tied head stays the embedding)
         self.lm_head = self.embed if head is embed and act == gemm else head.to(dev, gemm)
+
+    def int8_gemms_fit(self) -> bool:
+        """Whether every GEMM here fits the VNNI integer kernels (``csrc/q4.c``) on this host."""
+        shapes = [m.weight.shape for m in self.modules() if isinstance(m, Linear)]
+        shapes += [self.lm_head.shape, self.markov.w2.shape[::-1]]
+        return self.device.type == "cpu" and all(native_q4_lib(tuple(s)) for s in shapes)
+
+    def gemm_weights_int8(self) -> None:
+        """What the GEMMs read (linears, LM head, Markov ``W2``) as GGUF Q8_0 blocks (an fp16
+        scale per 32 inputs) multiplied by integer dot products, activations staying fp32:
+        half bf16's bytes through a faster kernel (``target_actor.linear.Int8Linear``)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.q8 = Int8Linear(module.weight.data)
+        self.lm_head_q8 = Int8Linear(self.lm_head)
+        self.markov.w2t_q8 = Int8Linear(self.markov.w2.data.t())
 
     def gemm_weights_to(self, dtype: torch.dtype) -> None:
         """Cast only what the GEMMs read (linears, LM head, Markov ``W2``) to ``dtype``."""
@@ -318,7 +346,10 @@ class DrafterNetwork(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Base logits ``[..., V_d]`` over the draft vocabulary from hidden ``[..., d]``."""
-        return inference_linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        x = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        if self.lm_head_q8 is not None:
+            return int8_linear(self.lm_head_q8, x)
+        return inference_linear(x, self.lm_head).float()
 
     def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target ids -> draft ids (``V_d`` for ids outside the draft vocabulary)."""

@@ -39,7 +39,9 @@ class DrafterSpec:
     context_copy: bool | None = None  # override the checkpoint's context-copy flag
     baseline: bool = False  # the full-prefix (DFlash-style) drafter instead of LongSpark
     num_threads: int | None = None
-    dtype: str = "auto"  # float32 | bfloat16 | auto: bf16 on a GPU, or where this CPU's win
+    # float32 | bfloat16 | int8 (Q8_0 GEMM weights, VNNI) | auto: int8 where the host's
+    # VNNI kernels take every GEMM, else bf16 on a GPU or where this CPU's bf16 GEMMs win
+    dtype: str = "auto"
     device: str = "cpu"  # cpu | cuda | cuda:N (in a Ray actor, "cuda" is its assigned GPU)
     overrides: dict[str, Any] | None = None  # DrafterConfig fields for a random drafter
     init_std: float = 0.02  # a random drafter's weight scale
@@ -115,7 +117,11 @@ class DrafterWorker:
             self.drafter = cls.random(
                 spec.target_path, config, seed=spec.seed, init_std=spec.init_std, device=device
             )
-        self.drafter.cast(drafter_dtype(spec.dtype, self.drafter.cfg, device))
+        int8 = spec.dtype == "int8" or (spec.dtype == "auto" and self.drafter.net.int8_gemms_fit())
+        if int8:  # the smallest GEMM weights, through the fastest host kernel
+            self.drafter.quantize_int8()
+        else:
+            self.drafter.cast(drafter_dtype(spec.dtype, self.drafter.cfg, device))
         if spec.k is not None and not 1 <= spec.k <= self.drafter.cfg.block_size:
             raise DrafterConfigError(
                 f"k={spec.k} outside 1..{self.drafter.cfg.block_size} (the drafter's block size)"
