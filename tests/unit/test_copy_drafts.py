@@ -76,7 +76,7 @@ def test_policy_prices_a_round_of_copies_as_its_plain_option():
     linear = lambda rows: 0.040 + 0.006 * rows  # noqa: E731 - 8 rows: about 2 plain steps
     for _ in range(40):  # the network's drafts: about 3 tokens a round
         k = policy.choose(1)
-        policy.observe([k], [2 if k else 0], 0.004 if k else 0.0, linear(k + 1))
+        policy.observe([k], [2 if k else 0], 0.004 if k else 0.0, linear(k + 1), bool(k))
     policy.since_other = 0
     assert policy.choose(1) == 7  # plain decoding (1 token a round) loses to the network
     policy.plain_tokens, policy.plain_rows = 4.0, 8.0  # this round has a long sure copy

@@ -17,7 +17,9 @@ from tests.unit.test_engine import ByteTokenizer, prompts, random_drafter
 def feed(policy: SpecPolicy, batch: int, k: int, accepted: int, verify, draft) -> None:
     """One simulated round of ``batch`` sequences, each accepting ``accepted`` of ``k``."""
     rows = batch * (k + 1)
-    policy.observe([k] * batch, [min(accepted, k)] * batch, draft(rows) if k else 0.0, verify(rows))
+    policy.observe(
+        [k] * batch, [min(accepted, k)] * batch, draft(rows) if k else 0.0, verify(rows), bool(k)
+    )  # a round with k = 0 ran without the network, as the engine reports it
 
 
 def test_linear_cost_recovers_a_line_and_is_flat_with_one_row_count():
@@ -40,7 +42,7 @@ def test_high_acceptance_and_memory_bound_verify_speculate_fully():
 
 
 def test_useless_drafts_switch_speculation_off_and_exploration_checks_back():
-    policy = SpecPolicy(k_max=7, explore_every=8)
+    policy = SpecPolicy(k_max=7, explore_every=8, explore_budget=1.0)
     linear = lambda rows: 0.030 + 0.002 * rows  # noqa: E731
     chosen = []
     for _ in range(60):
@@ -52,6 +54,21 @@ def test_useless_drafts_switch_speculation_off_and_exploration_checks_back():
     assert any(k == 7 for k in tail)  # but it keeps probing
 
 
+def test_a_dear_alternative_is_explored_within_the_budget():
+    """Drafted rounds at 3x a plain round's cost: tried every ~100 rounds, not every 8."""
+    policy = SpecPolicy(k_max=7, explore_every=8, explore_budget=0.02)
+    verify = lambda rows: 0.030 + 0.002 * rows  # noqa: E731
+    chosen = []
+    for _ in range(400):
+        k = policy.choose(4)
+        chosen.append(k)
+        feed(policy, 4, k, accepted=0, verify=verify, draft=lambda rows: 0.010)
+    tries = [i for i, k in enumerate(chosen) if k and i >= 20]
+    assert 1 <= len(tries) <= 6  # (0.104 / 0.038 - 1) / 0.02 ~ 87 rounds apart
+    spent = sum(0.104 - 0.038 for _ in tries) / (380 * 0.038)
+    assert spent <= 0.03
+
+
 def test_compute_bound_large_batches_draft_less_than_small_ones():
     rng = random.Random(0)
     policy = SpecPolicy(k_max=7, explore_every=1000)
@@ -60,7 +77,7 @@ def test_compute_bound_large_batches_draft_less_than_small_ones():
         for k in (0, 7):
             accepted = [geometric(rng, 0.6, k) for _ in range(batch)]
             rows = batch * (k + 1)
-            policy.observe([k] * batch, accepted, 0.002 if k else 0.0, cost(rows))
+            policy.observe([k] * batch, accepted, 0.002 if k else 0.0, cost(rows), bool(k))
     assert 0.5 < policy.acceptance()[0] < 0.7
     assert policy.choose(1) > 0  # C=1: a verify block is cheap, speculate
     assert policy.choose(32) == 0  # C=32: k+1 rows per sequence cost k+1 steps, do not
@@ -178,3 +195,16 @@ def test_seeded_sampled_requests_keep_their_drafter_state_while_it_is_aside(tiny
     engine.planner.policy = SpecPolicy(4, sleep_after=1)
     outs = engine.generate(ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in fixed]
+
+
+def test_a_plain_round_is_measured_before_a_block_prices_it():
+    """After the first full block at C=8 (64 rows) the verify line has one row count and
+    would price a plain round of 8 rows like the block; the policy measures one first."""
+    policy = SpecPolicy(k_max=7)
+    verify = lambda rows: 0.010 + 0.0012 * rows  # noqa: E731
+    assert policy.choose(8) == 7
+    feed(policy, 8, 7, accepted=2, verify=verify, draft=lambda rows: 0.025)
+    assert policy.choose(8) == 0
+    feed(policy, 8, 0, accepted=0, verify=verify, draft=lambda rows: 0.0)
+    assert policy.round_seconds(8, 0) == pytest.approx(verify(8), rel=0.01)
+    assert policy.choose(8) == 0  # 3 tokens a sequence for 4.6x the time: plain wins
