@@ -182,9 +182,9 @@ class SpecPolicy:
         if not (self.verify.known and self.draft.known):
             k = self.k_max  # nothing measured yet: speculate, which measures both
             self.plain_streak = 0
-        elif not self.plain_verify.known:
-            # a plain round next, to measure it: until then the verify line has one row
-            # count and would price a plain round like a full block (at C=8, 4x its cost)
+        elif self.verify.spread < 1.0:
+            # a plain round next, to measure it: until the verify line has seen two row
+            # counts it prices a plain round like a full block (at C=8, 4x its cost)
             k = 0
         else:
             k = max(self._choices(), key=lambda k: self._rate(batch, k))
