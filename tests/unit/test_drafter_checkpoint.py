@@ -13,21 +13,11 @@ from drafter_actor.drafter import Drafter
 from target_actor.config import ModelConfig
 from target_actor.messages import DraftRequest, PrefillViews
 from tests.conftest import make_tiny_checkpoint
+from tests.unit.test_drafter_device import random_views
 
 
 def views(cfg: DrafterConfig, seq_id: int, length: int, seed: int) -> PrefillViews:
-    gen = torch.Generator().manual_seed(seed)
-    t, L, w = cfg.target, cfg.num_layers, min(cfg.window, length)
-    return PrefillViews(
-        seq_id=seq_id,
-        length=length,
-        window_k=torch.randn(L, w, t.num_kv_heads, t.head_dim, generator=gen),
-        window_v=torch.randn(L, w, t.num_kv_heads, t.head_dim, generator=gen),
-        summary_m=torch.randn(L, t.num_heads, cfg.summary_slots, t.head_dim, generator=gen),
-        summary_lam=torch.randn(L, t.num_heads, cfg.summary_slots, generator=gen),
-        boundary=torch.randn(L, t.hidden_size, generator=gen),
-        seed=seed,
-    )
+    return random_views(cfg, seq_id, length, torch.Generator().manual_seed(seed), seed)
 
 
 def drafts(drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:

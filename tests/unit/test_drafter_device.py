@@ -39,9 +39,15 @@ def drafter(target_dir, device="cpu", **overrides) -> Drafter:
     return Drafter.random(target_dir, cfg, seed=0, init_std=0.2, device=device)
 
 
-def views(cfg: DrafterConfig, seq_id: int, length: int, gen: torch.Generator) -> PrefillViews:
-    """Host views of a prompt whose ids repeat with period ``PERIOD`` (context copy finds
-    matches); odd sequences bring their own seed, even ones draw one from the drafter."""
+def random_views(
+    cfg: DrafterConfig,
+    seq_id: int,
+    length: int,
+    gen: torch.Generator,
+    seed: int | None = None,
+    tokens: torch.Tensor | None = None,
+) -> PrefillViews:
+    """Host views of random rows for a prompt of ``length`` tokens."""
     t, L, w = cfg.target, cfg.num_layers, min(cfg.window, length)
     return PrefillViews(
         seq_id=seq_id,
@@ -51,9 +57,16 @@ def views(cfg: DrafterConfig, seq_id: int, length: int, gen: torch.Generator) ->
         summary_m=torch.randn(L, t.num_heads, cfg.summary_slots, t.head_dim, generator=gen),
         summary_lam=torch.randn(L, t.num_heads, cfg.summary_slots, generator=gen),
         boundary=torch.randn(L, t.hidden_size, generator=gen),
-        seed=seq_id if seq_id % 2 else None,
-        tokens=torch.tensor([(3 * seq_id + j) % PERIOD for j in range(length)]),
+        seed=seed,
+        tokens=tokens,
     )
+
+
+def views(cfg: DrafterConfig, seq_id: int, length: int, gen: torch.Generator) -> PrefillViews:
+    """Views of a prompt whose ids repeat with period ``PERIOD`` (context copy finds
+    matches); odd sequences bring their own seed, even ones draw one from the drafter."""
+    ids = torch.tensor([(3 * seq_id + j) % PERIOD for j in range(length)])
+    return random_views(cfg, seq_id, length, gen, seq_id if seq_id % 2 else None, ids)
 
 
 def update(cfg, seq_id, length, ids: list[int], gen) -> RoundUpdate:
