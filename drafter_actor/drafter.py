@@ -324,13 +324,8 @@ class Drafter:
             seed = int(torch.randint(2**62, (1,), generator=self._seeds, device="cpu"))
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _arrive(self, update: RoundUpdate) -> RoundUpdate:
-        """``update`` with its tensors on the drafter's device (itself if they are there);
-        its token ids stay in host memory, where the context-copy history is kept."""
-        return update.to(self.device)
-
     def _apply(self, state: SequenceState, update: RoundUpdate) -> None:
-        update = self._arrive(update)
+        update = update.to(self.device)  # its token ids stay on the host
         state.apply(update, self.net.summary_queries, self.scale, self.cfg.carry)
 
     def _advance(self, r: DraftRequest) -> SequenceState:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from target_actor.linear import inference_linear
+from target_actor.linear import inference_linear, rows_through
 
 
 class MarkovHead(nn.Module):
@@ -32,8 +32,7 @@ class MarkovHead(nn.Module):
         """Transition bias ``[..., V_d]`` for previous draft ids ``prev`` ``[...]``."""
         rows = F.embedding(prev, self.w1)
         if self.w2t_q8 is not None and not torch.is_grad_enabled():  # int8 (VNNI) rows
-            flat = rows.reshape(-1, rows.shape[-1]).float().contiguous()
-            return self.w2t_q8(flat).view(*rows.shape[:-1], -1)
+            return rows_through(self.w2t_q8, rows)
         host_bf16 = self.w2.dtype == torch.bfloat16 and self.w2.device.type == "cpu"
         if torch.is_grad_enabled() or not host_bf16:  # the C GEMM only helps (and runs) there
             return rows @ self.w2

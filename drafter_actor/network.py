@@ -40,7 +40,7 @@ from drafter_actor.config import DrafterConfig
 from drafter_actor.context_copy import MAX_NGRAM
 from drafter_actor.markov import MarkovHead
 from target_actor.config import ModelConfig
-from target_actor.linear import Int8Linear, inference_linear, native_q4_lib
+from target_actor.linear import Int8Linear, inference_linear, native_q4_lib, rows_through
 from target_actor.model import rms_norm
 from target_actor.rope import RotaryTable, apply_rope
 
@@ -64,14 +64,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.q8 is not None and not torch.is_grad_enabled():
-            return int8_linear(self.q8, x)
+            return rows_through(self.q8, x)
         return inference_linear(x, self.weight)
-
-
-def int8_linear(q8: Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., in]`` through an int8 linear (fp32 in, fp32 out)."""
-    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-    return q8(rows).view(*x.shape[:-1], q8.out_features)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -348,7 +342,7 @@ class DrafterNetwork(nn.Module):
         """Base logits ``[..., V_d]`` over the draft vocabulary from hidden ``[..., d]``."""
         x = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         if self.lm_head_q8 is not None:
-            return int8_linear(self.lm_head_q8, x)
+            return rows_through(self.lm_head_q8, x)
         return inference_linear(x, self.lm_head).float()
 
     def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:

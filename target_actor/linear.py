@@ -253,6 +253,13 @@ class Int8Linear(_WeightOnly):
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
 
 
+def rows_through(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., in]`` through a linear that takes ``[M, in]`` rows: fp32 in (the
+    C integer kernels' input), ``[..., out]`` back."""
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    return lin(rows).view(*x.shape[:-1], -1)
+
+
 def inference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)``, by the C GEMM when ``weight`` is bf16 and nothing needs
     gradients: torch's bf16 matmul costs tens of microseconds a call at a few rows (the

@@ -21,17 +21,16 @@ HISTORY_TOKENS = 2048  # committed token ids the drafter keeps (context copy), a
 
 class _Tensors:
     """Moving a message between devices: the target's GPU, host memory for Ray, the
-    drafter's GPU. Every tensor field goes except token ids (``tokens``), which stay in
-    host memory: the drafter's context copy searches them there."""
+    drafter's GPU. Every tensor field goes except the ones in ``HOST_FIELDS``."""
 
-    HOST_FIELDS = ("tokens",)
+    HOST_FIELDS: tuple[str, ...] = ()
 
     def to(self, device: torch.device | str, non_blocking: bool = False):
         device = torch.device(device)
         moved = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in self.HOST_FIELDS and not isinstance(self, Proposal):
+            if f.name in self.HOST_FIELDS:
                 continue
             if isinstance(v, torch.Tensor) and v.device != device:
                 moved[f.name] = v.to(device, non_blocking=non_blocking)
@@ -56,6 +55,8 @@ class _Tensors:
 class PrefillViews(_Tensors):
     """A new sequence's three views after the target prefilled its prompt."""
 
+    HOST_FIELDS = ("tokens",)  # ids stay on the host: context copy searches them there
+
     seq_id: int
     length: int  # committed tokens in the target cache (positions 0..length-1)
     window_k: torch.Tensor  # [L, w, H_kv, hd], w = min(W, length): rows length-w..length-1
@@ -74,6 +75,8 @@ class RoundUpdate(_Tensors):
     The round verified ``[x_t, d_1..d_k]`` at positions ``t..t+k`` and accepted ``m``
     drafts; rows ``t..t+m`` are committed, the rest were rolled back.
     """
+
+    HOST_FIELDS = ("tokens",)  # ids stay on the host: context copy searches them there
 
     seq_id: int
     length: int  # committed rows after the round: t + m + 1

@@ -232,7 +232,7 @@ def test_host_messages_are_taken_as_they_are(target_dir):
     assert state.history.device.type == "cpu" and state.context_k.device.type == "cpu"
     assert state.recent_tokens().tolist() == v.tokens.tolist()
     u = update(d.cfg, 0, 12, [1, 2, 3], gen)
-    assert d._arrive(u) is u
+    assert u.to(d.device) is u
     d.propose([DraftRequest(0, 4, 15, 0.0, u)], K)
     assert state.length == 15 and state.recent_tokens().tolist()[-3:] == [1, 2, 3]
     # a view is copied into the state: the message stays the caller's
@@ -279,3 +279,17 @@ def test_proposals_stay_on_the_drafter_device_in_process(target_dir):
     p = drive(d, rounds=1)[0]
     assert {t.device for t in vars(p).values()} == {d.device}
     assert p.to(d.device) is p  # nothing to move: no copy
+
+
+def test_messages_keep_token_ids_on_the_host_and_proposals_move_whole():
+    """``to`` moves every tensor of a message but a view's or an update's token ids; a
+    proposal's ``tokens`` are draft ids and move with it."""
+    from target_actor.messages import Proposal, RoundUpdate
+
+    e = torch.zeros(2, 1, 1, 4)
+    u = RoundUpdate(0, 3, e, e, torch.zeros(2, 4), torch.zeros(0, 2, 4), torch.arange(1))
+    moved = u.to("meta")
+    assert moved.committed_k.device.type == "meta" and moved.tokens.device.type == "cpu"
+    p = Proposal(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 1, dtype=torch.long),
+                 torch.ones(1, 2, 1))  # fmt: skip
+    assert p.to("meta").tokens.device.type == "meta"
