@@ -45,22 +45,34 @@ def test_planner_drafts_every_copy_when_rows_are_nearly_free_and_only_sure_ones_
     for _ in range(200):  # 8-token matches hold whole; 2-token ones fail at once
         planner.observe([long_, short], [7, 0])
     memory_bound = cost(0.040, 0.0001)
-    assert planner.plan([long_, short], 1, memory_bound) == [long_]  # a failing copy: no gain
+    assert planner.plan([long_, short], 1, memory_bound).copies == [long_]  # a failing copy
     short_acc = planner.acceptance[(2, False)]
     short_acc.accepts[0] = short_acc.trials[0]  # now its first slot always holds
-    assert planner.plan([long_, short], 1, memory_bound) == [long_, short]
+    assert planner.plan([long_, short], 1, memory_bound).copies == [long_, short]
     compute_bound = cost(0.010, 0.004)  # a row costs most of a plain step: near-certain only
-    assert planner.plan([long_, short], 32, compute_bound) == [long_]
+    assert planner.plan([long_, short], 32, compute_bound).copies == [long_]
 
 
 def test_planner_explores_the_least_known_candidate_now_and_then():
     known = CopyCandidate(0, [1] * 7, (2, False))
     unknown = CopyCandidate(1, [1] * 7, (5, False))
-    planner = CopyPlanner(7, explore_every=3)
+    planner = CopyPlanner(7, explore_every=3, explore_budget=1.0)
     for _ in range(100):
         planner.observe([known], [0])
     plans = [planner.plan([known, unknown], 32, cost(0.0, 0.005)) for _ in range(6)]
-    assert plans == [[], [], [unknown], [], [], [unknown]]
+    assert [p.explore for p in plans] == [[], [], [unknown], [], [], [unknown]]
+    assert all(p.worth == [] for p in plans)  # drafted, but not as a copy worth its rows
+
+
+def test_exploring_costs_at_most_its_budget_of_the_time():
+    known = CopyCandidate(0, [1] * 7, (2, False))
+    unknown = CopyCandidate(1, [1] * 7, (5, False))
+    planner = CopyPlanner(7, explore_every=3, explore_budget=0.02)
+    for _ in range(100):
+        planner.observe([known], [0])
+    verify = cost(0.0, 0.005)  # 7 extra rows on 32: +22% of a round, so 1 round in 11
+    explored = [i for i in range(1, 45) if planner.plan([known, unknown], 32, verify).explore]
+    assert explored == [11, 22, 33, 44]
 
 
 def test_copy_proposal_is_one_hot_on_the_copied_tokens():

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from services.engine.adaptive.copies import CopyPlan
 from services.engine.adaptive.policy import SpecPolicy
 from services.engine.core import Engine, EngineConfig
 from services.engine.params import SamplingParams
@@ -112,7 +113,7 @@ def test_joint_of_first_three_tokens_matches_target(
     engine = Engine(target, Letters(), drafter, config)
     if engine_copy:
         engine.planner.policy = NetworkNever(2)
-        engine.planner.copier.plan = lambda candidates, batch, verify: candidates  # all draft
+        engine.planner.copier.plan = lambda candidates, batch, verify: CopyPlan(candidates)
     torch.manual_seed(0)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
     outs = engine.generate(

@@ -17,9 +17,12 @@ a copy of ``k`` tokens from a match of length ``n`` is expected to add ``g(n, k)
 ``(B + sum g) / cost(B + sum k)`` is maximal when exactly the copies with
 ``g > rate * b * k`` are drafted, which a few fixed-point passes find (Dinkelbach). At one
 sequence on a CPU that drafts nearly every copy; at 32 it keeps only the long matches.
-Every ``explore_every`` rounds one more candidate drafts, the one whose match length has
-the least evidence, so estimates stay fresh at the cost of a few rows (exploring every
-candidate at once costs too much at high load).
+Now and then one more candidate drafts, the one whose match length has the least evidence,
+so estimates stay fresh (exploring every candidate at once costs too much at high load):
+every ``explore_every`` rounds at most, and no more often than keeps its extra rows within
+``explore_budget`` of the time (at C=8 a 7-token copy adds half a plain round). It is
+drafted but not priced: the round's plain option is what the copies worth drafting cost
+and gain, so an exploration never makes a plain round look dearer than drafting.
 
 A copied slot's proposal is one-hot, and which sequences copy depends only on their
 history and on earlier rounds (never on a token sampled this round), so verification
@@ -54,27 +57,40 @@ def find_candidate(row: int, index: NgramIndex, limit: int, sampled: bool) -> Co
     return CopyCandidate(row, copy, (n, sampled)) if n >= MIN_NGRAM else None
 
 
+@dataclass(frozen=True)
+class CopyPlan:
+    """A round's copies: those expected to pay for their rows, and one drafted besides to
+    keep its estimate fresh (not priced into the round's plain option)."""
+
+    worth: list[CopyCandidate] = field(default_factory=list)
+    explore: list[CopyCandidate] = field(default_factory=list)
+
+    @property
+    def copies(self) -> list[CopyCandidate]:
+        """Every copy the round drafts."""
+        return self.worth + self.explore
+
+
 @dataclass
 class CopyPlanner:
     """Chooses the copies worth verifying and learns how often they hold."""
 
     k_max: int
-    explore_every: int = 8
+    explore_every: int = 8  # rounds between explorations, at least
+    explore_budget: float = 0.02  # share of the time exploration may cost, at most
     prior: float = 0.5  # acceptance per slot before a match length has evidence (1 trial)
-    rounds: int = 0
+    since_explore: int = 0
     acceptance: dict[tuple[int, bool], Acceptance] = field(default_factory=dict)
 
     def gain(self, c: CopyCandidate) -> float:
         """Expected tokens the copy adds to its sequence's round (the bonus excluded)."""
         return self._acc(c.key).expected_tokens(len(c.tokens)) - 1.0
 
-    def plan(
-        self, candidates: list[CopyCandidate], batch: int, verify: LinearCost
-    ) -> list[CopyCandidate]:
-        """The candidates to draft in a round of ``batch`` sequences."""
-        self.rounds += 1
+    def plan(self, candidates: list[CopyCandidate], batch: int, verify: LinearCost) -> CopyPlan:
+        """The copies to draft in a round of ``batch`` sequences."""
+        self.since_explore += 1
         if not candidates:
-            return []
+            return CopyPlan()
         cost = verify.predict
         b = cost(batch + 1) - cost(batch)  # seconds per extra row (0 until rows varied)
         chosen: list[CopyCandidate] = []
@@ -82,17 +98,22 @@ class CopyPlanner:
             rows = batch + sum(len(c.tokens) for c in chosen)
             seconds = cost(rows)
             if seconds <= 0:
-                return candidates
+                return CopyPlan(candidates)
             rate = (batch + sum(self.gain(c) for c in chosen)) / seconds
             pick = [c for c in candidates if self.gain(c) > rate * b * len(c.tokens)]
             if pick == chosen:
                 break
             chosen = pick
-        if self.rounds % self.explore_every == 0:  # plus the least-known candidate left out
-            rest = [c for c in candidates if c not in chosen]
-            if rest:
-                chosen = chosen + [min(rest, key=lambda c: self._acc(c.key).trials[0])]
-        return chosen
+        rest = [c for c in candidates if c not in chosen]
+        if not rest:
+            return CopyPlan(chosen)
+        least_known = min(rest, key=lambda c: self._acc(c.key).trials[0])
+        rows = batch + sum(len(c.tokens) for c in chosen)
+        extra = cost(rows + len(least_known.tokens)) / cost(rows) - 1.0
+        if self.since_explore < max(self.explore_every, extra / self.explore_budget):
+            return CopyPlan(chosen)
+        self.since_explore = 0
+        return CopyPlan(chosen, [least_known])
 
     def observe(self, drafted: list[CopyCandidate], num_accepted: list[int]) -> None:
         """``num_accepted``: the round's accepted counts for every row of the batch."""
@@ -120,4 +141,4 @@ def copy_proposal(drafted: list[CopyCandidate], batch: int) -> tuple[list[int], 
     return num_draft, Proposal(tokens, q_ids, q_probs)
 
 
-__all__ = ["CopyCandidate", "CopyPlanner", "copy_proposal", "find_candidate"]
+__all__ = ["CopyCandidate", "CopyPlan", "CopyPlanner", "copy_proposal", "find_candidate"]

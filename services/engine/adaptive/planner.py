@@ -138,10 +138,10 @@ class RoundPlanner:
             if c is not None:
                 candidates.append(c)
         plan = self.copier.plan(candidates, len(running), self.policy.plain_cost())
-        n = len(running)
-        self.policy.plain_tokens = 1.0 + sum(self.copier.gain(c) for c in plan) / n
-        self.policy.plain_rows = 1.0 + sum(len(c.tokens) for c in plan) / n
-        return plan
+        n = len(running)  # an exploration is not priced: it is not why a round goes plain
+        self.policy.plain_tokens = 1.0 + sum(self.copier.gain(c) for c in plan.worth) / n
+        self.policy.plain_rows = 1.0 + sum(len(c.tokens) for c in plan.worth) / n
+        return plan.copies
 
     def _sleep_or_wake(self, running: list[Sequence]) -> list[int]:
         """Put the drafter aside while drafting does not pay (returns the sequences whose
