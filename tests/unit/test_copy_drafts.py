@@ -53,23 +53,25 @@ def test_planner_drafts_every_copy_when_rows_are_nearly_free_and_only_sure_ones_
     assert planner.plan([long_, short], 32, compute_bound).copies == [long_]
 
 
-def test_planner_explores_the_least_known_candidate_now_and_then():
+def explorer(budget: float) -> tuple[CopyPlanner, CopyCandidate, CopyCandidate]:
+    """A planner exploring every 3 rounds at least, which knows one candidate fails."""
     known = CopyCandidate(0, [1] * 7, (2, False))
     unknown = CopyCandidate(1, [1] * 7, (5, False))
-    planner = CopyPlanner(7, explore_every=3, explore_budget=1.0)
+    planner = CopyPlanner(7, explore_every=3, explore_budget=budget)
     for _ in range(100):
         planner.observe([known], [0])
+    return planner, known, unknown
+
+
+def test_planner_explores_the_least_known_candidate_now_and_then():
+    planner, known, unknown = explorer(budget=1.0)
     plans = [planner.plan([known, unknown], 32, cost(0.0, 0.005)) for _ in range(6)]
     assert [p.explore for p in plans] == [[], [], [unknown], [], [], [unknown]]
     assert all(p.worth == [] for p in plans)  # drafted, but not as a copy worth its rows
 
 
 def test_exploring_costs_at_most_its_budget_of_the_time():
-    known = CopyCandidate(0, [1] * 7, (2, False))
-    unknown = CopyCandidate(1, [1] * 7, (5, False))
-    planner = CopyPlanner(7, explore_every=3, explore_budget=0.02)
-    for _ in range(100):
-        planner.observe([known], [0])
+    planner, known, unknown = explorer(budget=0.02)
     verify = cost(0.0, 0.005)  # 7 extra rows on 32: +22% of a round, so 1 round in 11
     explored = [i for i in range(1, 45) if planner.plan([known, unknown], 32, verify).explore]
     assert explored == [11, 22, 33, 44]
