@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.engine.adaptive.copies import CopyPlan
 from services.engine.adaptive.planner import RoundPlanner
 from services.engine.metrics import EngineStats
 from services.engine.params import SamplingParams
@@ -59,3 +60,15 @@ def test_while_aside_new_sequences_start_plain_except_a_probe_now_and_then():
         admitted.append(planner.admit([seq(i)]))
     assert admitted == [False, True, False, False]  # one probe batch every 3 rounds
     assert stats.drafter_probes == 1 and planner.policy.explored
+
+
+def test_an_exploration_copy_is_drafted_but_not_priced_into_the_plain_option():
+    planner = RoundPlanner(4, 100, EngineStats(), drafter=True, adaptive=True, copy_drafts=True)
+    running = [seq(0, output=8), seq(1, output=8)]  # "4 4 4 ...": a sure copy of 4s each
+    planner.copier.plan = lambda candidates, batch, verify: CopyPlan([], candidates[:1])
+    explored = planner.plan(running).copies
+    assert len(explored) == 1 and explored[0].tokens == [4] * 4
+    assert planner.policy.plain_rows == 1.0 and planner.policy.plain_tokens == 1.0
+    planner.copier.plan = lambda candidates, batch, verify: CopyPlan(candidates[:1])
+    assert planner.plan(running).copies == explored
+    assert planner.policy.plain_rows == 1.0 + 4 / 2  # a copy worth its rows is priced
