@@ -41,28 +41,28 @@ def test_high_acceptance_and_memory_bound_verify_speculate_fully():
     assert policy.expected_tokens(7) > 5
 
 
-def test_useless_drafts_switch_speculation_off_and_exploration_checks_back():
-    policy = SpecPolicy(k_max=7, explore_every=8, explore_budget=1.0)
-    linear = lambda rows: 0.030 + 0.002 * rows  # noqa: E731
+def useless_drafting(budget: float, rounds: int) -> list[int]:
+    """The k chosen, round by round, at C=4 when no draft is ever accepted and a drafted
+    round costs ~3x a plain one."""
+    policy = SpecPolicy(k_max=7, explore_every=8, explore_budget=budget)
+    verify = lambda rows: 0.030 + 0.002 * rows  # noqa: E731
     chosen = []
-    for _ in range(60):
+    for _ in range(rounds):
         k = policy.choose(4)
         chosen.append(k)
-        feed(policy, 4, k, accepted=0, verify=linear, draft=lambda rows: 0.010)
-    tail = chosen[20:]
+        feed(policy, 4, k, accepted=0, verify=verify, draft=lambda rows: 0.010)
+    return chosen
+
+
+def test_useless_drafts_switch_speculation_off_and_exploration_checks_back():
+    tail = useless_drafting(budget=1.0, rounds=60)[20:]
     assert tail.count(0) > 0.8 * len(tail)  # mostly plain rounds
     assert any(k == 7 for k in tail)  # but it keeps probing
 
 
 def test_a_dear_alternative_is_explored_within_the_budget():
     """Drafted rounds at 3x a plain round's cost: tried every ~100 rounds, not every 8."""
-    policy = SpecPolicy(k_max=7, explore_every=8, explore_budget=0.02)
-    verify = lambda rows: 0.030 + 0.002 * rows  # noqa: E731
-    chosen = []
-    for _ in range(400):
-        k = policy.choose(4)
-        chosen.append(k)
-        feed(policy, 4, k, accepted=0, verify=verify, draft=lambda rows: 0.010)
+    chosen = useless_drafting(budget=0.02, rounds=400)
     tries = [i for i, k in enumerate(chosen) if k and i >= 20]
     assert 1 <= len(tries) <= 6  # (0.104 / 0.038 - 1) / 0.02 ~ 87 rounds apart
     spent = sum(0.104 - 0.038 for _ in tries) / (380 * 0.038)
@@ -208,3 +208,15 @@ def test_a_plain_round_is_measured_before_a_block_prices_it():
     feed(policy, 8, 0, accepted=0, verify=verify, draft=lambda rows: 0.0)
     assert policy.round_seconds(8, 0) == pytest.approx(verify(8), rel=0.01)
     assert policy.choose(8) == 0  # 3 tokens a sequence for 4.6x the time: plain wins
+
+
+def test_a_probe_drafts_in_the_next_round_however_dear_drafting_is():
+    policy = SpecPolicy(k_max=7, explore_every=8, explore_budget=0.02)
+    verify = lambda rows: 0.030 + 0.002 * rows  # noqa: E731
+    for _ in range(40):  # nothing accepted: plain rounds, drafts tried every ~87 rounds
+        k = policy.choose(4)
+        feed(policy, 4, k, accepted=0, verify=verify, draft=lambda rows: 0.010)
+    assert policy.choose(4) == 0
+    policy.explore_next()  # a probe sequence joined
+    assert policy.choose(4) == 7
+    assert policy.choose(4) == 0

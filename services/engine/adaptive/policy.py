@@ -35,6 +35,7 @@ back now and then with one probe sequence.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -143,7 +144,7 @@ class SpecPolicy:
     plain_rows: float = 1.0
     sleep_after: int = 16  # plain rounds chosen in a row before the policy is idle
     all_or_nothing: bool = True  # choose k from {0, k_max} only (see _choices)
-    since_other: int = 0  # rounds since the mode not chosen last was tried
+    since_other: float = 0  # rounds since the mode not chosen last was tried
     last_k: int = -1
     plain_streak: int = 0  # rounds in a row whose best k (exploration aside) was 0
 
@@ -210,8 +211,9 @@ class SpecPolicy:
         return self.plain_streak >= self.sleep_after
 
     def explore_next(self) -> None:
-        """Try the other mode in the next round (a probe sequence just joined)."""
-        self.since_other = self.explore_every
+        """Try the other mode in the next round (a probe sequence just joined), however
+        dear the exploration budget makes it."""
+        self.since_other = math.inf
 
     def _explore_interval(self, batch: int, k: int, other: int) -> float:
         """Rounds between tries of ``other`` while ``k`` is chosen: ``explore_every``, or
