@@ -21,6 +21,7 @@ makes names its device.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from drafter_actor.checkpoint import load_drafter_weights, load_target_head, sav
 from drafter_actor.config import DrafterConfig, DrafterConfigError
 from drafter_actor.context_copy import apply_copies, copy_inputs, find_copy, is_sure
 from drafter_actor.markov import sample_block
-from drafter_actor.network import DrafterNetwork, LayerContext
+from drafter_actor.network import ContextRefs, DrafterNetwork, LayerContext
 from drafter_actor.state import DrafterStateError, SequenceState
 from target_actor import native
 from target_actor.config import ModelConfig
@@ -314,6 +315,18 @@ class Drafter:
         return self.net.norm.dtype  # the activations' (and states') dtype
 
     @property
+    def _native_attention(self) -> bool:
+        """Whether the block pass attends by the host's C kernel (fp32 states on the host,
+        ``LONGSPARK_DRAFT_ATTENTION=torch`` keeps torch's ops, for comparisons)."""
+        return (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.cfg.target.head_dim % native.LANES == 0
+            and native.available()
+            and os.environ.get("LONGSPARK_DRAFT_ATTENTION", "native") != "torch"
+        )
+
+    @property
     def device(self) -> torch.device:
         return self.net.device  # with its index for a GPU: what tensors report
 
@@ -365,12 +378,17 @@ class Drafter:
         for i, s in enumerate(states):
             s.context_k[:, :, W:].copy_(rows_k[i])
             s.context_v[:, :, W:].copy_(rows_v[i])
+        mask = torch.cat([torch.stack([s.window_mask() for s in states]), mask], 1)  # [n, C]
+        if self._native_attention:  # each layer reads every sequence's buffers where they are
+            refs = ContextRefs.of(
+                [(s.context_k, s.context_v, s.summary_m, s.summary_lam) for s in states]
+            )
+            return [LayerContext(None, None, mask, refs=refs, layer=i) for i in range(L)]
         if len(states) == 1:
             ctx_k, ctx_v = states[0].context_k[None], states[0].context_v[None]
         else:
             ctx_k = torch.stack([s.context_k for s in states])  # [n, L, H_kv, C, hd]
             ctx_v = torch.stack([s.context_v for s in states])
-        mask = torch.cat([torch.stack([s.window_mask() for s in states]), mask], 1)  # [n, C]
         summary_m = torch.stack([s.summary_m for s in states])  # [n, L, H, R, hd]
         summary_mask = ~torch.isneginf(torch.stack([s.summary_lam for s in states]))
         return [

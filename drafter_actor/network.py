@@ -39,6 +39,7 @@ from torch import nn
 from drafter_actor.config import DrafterConfig
 from drafter_actor.context_copy import MAX_NGRAM
 from drafter_actor.markov import MarkovHead
+from target_actor import native
 from target_actor.config import ModelConfig
 from target_actor.linear import Int8Linear, inference_linear, native_q4_lib, rows_through
 from target_actor.model import rms_norm
@@ -46,14 +47,44 @@ from target_actor.rope import RotaryTable, apply_rope
 
 
 @dataclass
-class LayerContext:
-    """One drafter layer's read-only context: every row it attends to except the block."""
+class ContextRefs:
+    """Each sequence's own context buffers, by address, for the host's C attention
+    (``ls_draft_attend`` in ``target_actor/csrc/attention.c``): a batch reads them where they
+    live instead of stacking copies every round. All fp32, contiguous."""
 
-    k: torch.Tensor  # [N, H_kv, C, hd]: keys, post-RoPE (target key space for the window)
-    v: torch.Tensor  # [N, H_kv, C, hd]
+    k: torch.Tensor  # [N] int64: addresses of each sequence's [L, H_kv, C, hd] keys
+    v: torch.Tensor  # [N] int64: ... values
+    summary_m: torch.Tensor  # [N] int64: [L, H, R, hd] summary values
+    summary_lam: torch.Tensor  # [N] int64: [L, H, R] log-masses (-inf: an empty slot)
+    rows: int  # C
+    owners: tuple  # what holds the buffers: kept alive while the addresses are in use
+
+    @classmethod
+    def of(cls, buffers: list[tuple[torch.Tensor, ...]]) -> ContextRefs:
+        """From each sequence's ``(k, v, summary_m, summary_lam)``."""
+        for t in (t for seq in buffers for t in seq):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("context buffers for the C attention: fp32, contiguous, host")
+        addr = [
+            torch.tensor([seq[i].data_ptr() for seq in buffers], dtype=torch.int64, device="cpu")
+            for i in range(4)
+        ]  # addresses: host memory, as the buffers are
+        return cls(*addr, rows=buffers[0][0].shape[2], owners=tuple(buffers))
+
+
+@dataclass
+class LayerContext:
+    """One drafter layer's read-only context: every row it attends to except the block.
+    Either as batch tensors (``k``, ``v``, summary) or, on the host with the C kernels, as
+    ``refs`` to each sequence's buffers with this layer's index."""
+
+    k: torch.Tensor | None  # [N, H_kv, C, hd]: keys, post-RoPE (target key space for the window)
+    v: torch.Tensor | None  # [N, H_kv, C, hd]
     mask: torch.Tensor  # [N, C] bool: True where a row is present
     summary_m: torch.Tensor | None = None  # [N, H, R, hd]: values for the summary keys G
     summary_mask: torch.Tensor | None = None  # [N, H, R] bool: False for an empty slot
+    refs: ContextRefs | None = None
+    layer: int = 0  # which layer's slice of ``refs``
 
 
 class Linear(nn.Linear):
@@ -116,13 +147,71 @@ class DrafterLayer(nn.Module):
     ) -> torch.Tensor:
         """``h`` ``[N, S, d]`` (the block) -> new ``h``; ``g`` ``[H, R, hd]`` the summary keys."""
         N, S, _ = h.shape
-        Hkv, G, hd = self.kv_heads, self.group, self.head_dim
+        hd = self.head_dim
         x = rms_norm(h, self.input_norm, self.eps)
         q = self.q_proj(x).view(N, S, self.heads, hd)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.eps)
         q = _rope(q, cos, sin)
         kb, vb = self.kv(x, cos, sin)  # the block's own rows: [N, H_kv, S, hd]
+        if ctx.refs is not None:
+            out = self._attend_native(q, kb, vb, ctx, g)
+        else:
+            out = self._attend(q, kb, vb, ctx, g)
+        h = h + self.o_proj(out)
+        gate, up = self.gate_up(rms_norm(h, self.post_norm, self.eps)).chunk(2, -1)
+        return h + self.down(F.silu(gate) * up)
+
+    def _attend_native(
+        self,
+        q: torch.Tensor,
+        kb: torch.Tensor,
+        vb: torch.Tensor,
+        ctx: LayerContext,
+        g: torch.Tensor,
+    ) -> torch.Tensor:
+        """``_attend`` in one C call over each sequence's own buffers (``ctx.refs``)."""
+        N, S, H, hd = q.shape
+        refs, out = ctx.refs, torch.empty(N, S, H, hd, device="cpu")  # the host's kernels
+        q, kb, vb = q.float().contiguous(), kb.float().contiguous(), vb.float().contiguous()
+        mask = ctx.mask.contiguous()
+        rc = native.library().ls_draft_attend(
+            q.data_ptr(),
+            kb.data_ptr(),
+            vb.data_ptr(),
+            refs.k.data_ptr(),
+            refs.v.data_ptr(),
+            mask.data_ptr(),
+            g.contiguous().data_ptr(),
+            refs.summary_m.data_ptr(),
+            refs.summary_lam.data_ptr(),
+            out.data_ptr(),
+            N,
+            ctx.layer,
+            S,
+            H,
+            self.kv_heads,
+            refs.rows,
+            g.shape[1],
+            hd,
+            self.scale,
+        )
+        if rc != 0:
+            raise ValueError(f"head_dim {hd} does not fit the C attention")
+        return out.view(N, S, H * hd)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        kb: torch.Tensor,
+        vb: torch.Tensor,
+        ctx: LayerContext,
+        g: torch.Tensor,
+    ) -> torch.Tensor:
+        """Block rows ``q`` ``[N, S, H, hd]`` over context, summary and block keys, one
+        softmax: ``[N, S, H * hd]``."""
+        N, S, _, _ = q.shape
+        Hkv, G, hd = self.kv_heads, self.group, self.head_dim
         # query head h = j * G + g reads KV head j: [N, H_kv, G * S, hd]
         qg = q.view(N, S, Hkv, G, hd).permute(0, 2, 3, 1, 4).reshape(N, Hkv, G * S, hd)
 
@@ -146,10 +235,7 @@ class DrafterLayer(nn.Module):
             m = ctx.summary_m.to(q.dtype).reshape(N, Hkv, G, -1, hd)
             p_sum = p[2].reshape(N, Hkv, G, S, -1)
             out = out + torch.einsum("njgsr,njgrd->njgsd", p_sum, m).reshape(N, Hkv, G * S, hd)
-        out = out.view(N, Hkv, G, S, hd).permute(0, 3, 1, 2, 4).reshape(N, S, -1)
-        h = h + self.o_proj(out)
-        gate, up = self.gate_up(rms_norm(h, self.post_norm, self.eps)).chunk(2, -1)
-        return h + self.down(F.silu(gate) * up)
+        return out.view(N, Hkv, G, S, hd).permute(0, 3, 1, 2, 4).reshape(N, S, -1)
 
 
 class DrafterNetwork(nn.Module):
@@ -261,13 +347,15 @@ class DrafterNetwork(nn.Module):
 
     def gemm_weights_int8(self) -> None:
         """What the GEMMs read (linears, LM head, Markov ``W2``) as GGUF Q8_0 blocks (an fp16
-        scale per 32 inputs) multiplied by integer dot products, activations staying fp32:
-        half bf16's bytes through a faster kernel (``target_actor.linear.Int8Linear``)."""
+        scale per 32 inputs) multiplied by integer dot products with the activations as one
+        int8 plane per 32 (llama.cpp's Q8): half bf16's bytes and half the target's integer
+        work (``target_actor.linear.Int8Linear``). The rounding only shapes the proposals,
+        which carry the distribution they were drawn from: verification stays exact."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.q8 = Int8Linear(module.weight.data)
-        self.lm_head_q8 = Int8Linear(self.lm_head)
-        self.markov.w2t_q8 = Int8Linear(self.markov.w2.data.t())
+                module.q8 = Int8Linear(module.weight.data, planes=1)
+        self.lm_head_q8 = Int8Linear(self.lm_head, planes=1)
+        self.markov.w2t_q8 = Int8Linear(self.markov.w2.data.t(), planes=1)
 
     def gemm_weights_to(self, dtype: torch.dtype) -> None:
         """Cast only what the GEMMs read (linears, LM head, Markov ``W2``) to ``dtype``."""

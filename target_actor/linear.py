@@ -221,9 +221,16 @@ class Int8Linear(_WeightOnly):
     """int8 weights. With ``csrc/q4.c`` (VNNI): GGUF Q8_0 blocks (an fp16 scale per 32
     inputs; the grid of a dequantised Q8_0 tensor, like SmolLM2's embedding, comes back
     exactly) by integer dot products, fp32 activations. Otherwise one scale per channel,
-    by ``csrc/gemm.c`` (bf16 activations) or torch's ``_weight_int8pack_mm``."""
+    by ``csrc/gemm.c`` (bf16 activations) or torch's ``_weight_int8pack_mm``.
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    ``planes``: how finely the VNNI path takes the activations (``csrc/q4.c``): 2 (to ~3e-5
+    of a block's largest value, the target's) or 1 (llama.cpp's Q8, half the integer work;
+    for the drafter, whose rounding only shapes its proposals)."""
+
+    def __init__(self, weight: torch.Tensor, planes: int = 2) -> None:
+        if planes not in (1, 2):
+            raise ValueError(f"planes must be 1 or 2, not {planes}")
+        self.planes = planes
         w = weight.float()
         self.out_features, self.in_features = w.shape
         self.int_lib = native_q4_lib(weight.shape)
@@ -241,7 +248,8 @@ class Int8Linear(_WeightOnly):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if self.int_lib is not None:
-            return _int_gemm(self.int_lib.ls_gemm_w8, x, self.out_features, self.tiles, self.d)
+            fn = self.int_lib.ls_gemm_w8
+            return _int_gemm(fn, x, self.out_features, self.tiles, self.d, planes=self.planes)
         if self.lib is not None:
             return native_gemm(self.lib, native.GEMM_INT8, x, self.q, self.scale)
         return torch._weight_int8pack_mm(x, self.q, self.scale)
@@ -275,12 +283,15 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def _int_gemm(fn, x: torch.Tensor, n: int, *weights: torch.Tensor) -> torch.Tensor:
+def _int_gemm(
+    fn, x: torch.Tensor, n: int, *weights: torch.Tensor, planes: int | None = None
+) -> torch.Tensor:
     """``x`` ``[M, K]`` fp32 contiguous through one of ``csrc/q4.c``'s GEMMs (``fn``, with
-    its packed weight tensors) -> ``[M, n]`` fp32."""
+    its packed weight tensors; ``planes`` for the W8 one) -> ``[M, n]`` fp32."""
     M, K = x.shape
     y = torch.empty(M, n, device="cpu")  # the C kernels: host memory only
-    if fn(x.data_ptr(), M, K, *(w.data_ptr() for w in weights), n, y.data_ptr()) != 0:
+    tail = () if planes is None else (planes,)
+    if fn(x.data_ptr(), M, K, *(w.data_ptr() for w in weights), n, y.data_ptr(), *tail) != 0:
         raise MemoryError("native integer GEMM: out of memory")
     return y
 

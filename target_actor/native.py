@@ -112,6 +112,9 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         # q, k, v (+ row strides), out, sequences, base, cap, start, nnew, row0, layer,
         # heads, kv_heads, head_dim, scale
         "ls_attend": [*(_PTR, _I64) * 3, _PTR, _I64, *(_PTR,) * 5, _I64, i32, i32, i32, f32, i32],
+        # q, kb, vb, ctx_k, ctx_v, ctx_mask, g, sum_m, sum_lam, out, n, layer, S, heads,
+        # kv_heads, C, R, head_dim, scale (the drafter's layer attention)
+        "ls_draft_attend": [*(_PTR,) * 10, _I64, _I64, *(i32,) * 6, f32],
         # h, y, y_bf16, w, eps, out, out_bf16, rows, n
         "ls_add_rms_norm": [_PTR, _PTR, i32, _PTR, f32, _PTR, i32, _I64, _I64],
         # ... kv_bf16 (the cache holds bf16)
@@ -125,13 +128,13 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         "ls_gemm_bf16_dot": [],
         # x, M, K, packed weights, d, m, N, y
         "ls_gemm_q4": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR],
-        # x, M, K, packed weights, scales, N, y
-        "ls_gemm_w8": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
+        # x, M, K, packed weights, scales, N, y, activation planes (1 or 2)
+        "ls_gemm_w8": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, i32],
         "ls_gemm_q4_vnni": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int if name.startswith(("ls_attend", "ls_gemm")) else None
+        fn.restype = ctypes.c_int if name.startswith(("ls_attend", "ls_draft", "ls_gemm")) else None
         fn.argtypes = argtypes
     return lib
 

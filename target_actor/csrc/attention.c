@@ -255,3 +255,72 @@ int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride
     }
     return 0;
 }
+
+/* The drafter's attention (drafter_actor/network.py, DrafterLayer): every row of a
+ * sequence's block attends, without a causal mask, to three key sets at once under one
+ * softmax:
+ *
+ *   its context rows   (window ring, boundary, carry: keys K_c, values V_c, a row mask)
+ *   the block's rows   (keys K_b, values V_b: all present)
+ *   the summary slots  (keys G, the layer's learned queries, shared; values M; a slot is
+ *                       empty where its lambda is -inf)
+ *
+ * so a layer is one call instead of ~25 torch ops, and each sequence's buffers are read
+ * where they live (by address) instead of being stacked into a batch tensor every round.
+ *
+ * q [n, S, heads, d] (post-RoPE) and out [n, S, heads, d] contiguous; kb, vb [n, kv_heads,
+ * S, d] contiguous; ctx_mask [n, C] (bytes, 0 = absent); g [heads, R, d]. Per sequence i:
+ * ctx_k[i], ctx_v[i] the addresses of its context buffers [layers, kv_heads, C, d], sum_m[i]
+ * of its summary values [layers, heads, R, d] and sum_lam[i] of its lambdas [layers, heads,
+ * R], all fp32; layer picks the slice. Query head hq reads KV head hq / (heads / kv_heads).
+ * Scores are dot * scale. Absent rows weigh exactly 0 (their values must be finite).
+ * Returns 0, or -1 when d is not a multiple of LANES. */
+int ls_draft_attend(const float *q, const float *kb, const float *vb, const int64_t *ctx_k,
+                    const int64_t *ctx_v, const uint8_t *ctx_mask, const float *g,
+                    const int64_t *sum_m, const int64_t *sum_lam, float *out, int64_t n,
+                    int64_t layer, int S, int heads, int kv_heads, int C, int R, int d,
+                    float scale) {
+    if (d % LANES) return -1;
+    const int group = heads / kv_heads;
+    const int64_t len = (int64_t)C + S + R, items = n * heads;
+#pragma omp parallel if (items > 8)
+    {
+        float *s = malloc(sizeof(float) * (size_t)(len + 16 * d + d));
+        float *pad = s + len, *part = pad + 16 * d;
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t i = it / heads;
+            const int hq = (int)(it % heads), j = hq / group;
+            const float *kc = (const float *)(intptr_t)ctx_k[i] + ((layer * kv_heads + j) * C) * d;
+            const float *vc = (const float *)(intptr_t)ctx_v[i] + ((layer * kv_heads + j) * C) * d;
+            const float *kbl = kb + ((i * kv_heads + j) * S) * d;
+            const float *vbl = vb + ((i * kv_heads + j) * S) * d;
+            const float *ks = g + (int64_t)hq * R * d;
+            const float *vs = (const float *)(intptr_t)sum_m[i] + ((layer * heads + hq) * R) * d;
+            const float *lam = (const float *)(intptr_t)sum_lam[i] + (layer * heads + hq) * R;
+            const uint8_t *keep = ctx_mask + i * C;
+            for (int r = 0; r < S; r++) {
+                const float *qr = q + ((i * S + r) * heads + hq) * d;
+                float *o = out + ((i * S + r) * heads + hq) * d;
+                scores_of(qr, kc, 0, C, d, scale, s, pad);
+                scores_of(qr, kbl, 0, S, d, scale, s + C, pad);
+                scores_of(qr, ks, 0, R, d, scale, s + C + S, pad);
+                for (int c = 0; c < C; c++)
+                    if (!keep[c]) s[c] = -INFINITY;
+                for (int t = 0; t < R; t++)
+                    if (lam[t] == -INFINITY) s[C + S + t] = -INFINITY;
+                float m = -INFINITY;
+                for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+                for (int64_t t = 0; t < len; t++) s[t] = s[t] == -INFINITY ? 0.0f : exp_neg(s[t] - m);
+                const float inv = 1.0f / lane_sum(s, (int)len);
+                weigh_values(s, vc, 0, C, d, inv, o);
+                weigh_values(s + C, vbl, 0, S, d, inv, part);
+                for (int t = 0; t < d; t++) o[t] += part[t];
+                weigh_values(s + C + S, vs, 0, R, d, inv, part);
+                for (int t = 0; t < d; t++) o[t] += part[t];
+            }
+        }
+        free(s);
+    }
+    return 0;
+}

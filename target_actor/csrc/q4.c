@@ -23,6 +23,11 @@
  * shared by up to 8 rows held in registers: extra rows cost about half as much, and prefill
  * about a third.
  *
+ * One plane (W8 only, ``planes`` = 1): x ~= dx * q1, llama.cpp's Q8 activations, at half the
+ * integer work. For the drafter, whose numbers only shape its proposals (a proposal carries
+ * the distribution it was drawn from, so verification stays exact whatever they are); the
+ * target always takes two.
+ *
  * Exactness: the integer sums are exact and the float steps per (row, channel, block) are
  * fixed and taken in block order, so y[r, n] depends on row r's inputs only: never on M, the
  * row's place in the batch, the thread, or the code path (the portable path below does the
@@ -108,7 +113,8 @@ static inline __m512i bcast4(const int8_t *p) {
 
 /* R rows (a compile-time constant once inlined) against one tile of 16 channels */
 static inline __attribute__((always_inline)) void tile_rows(const int R, const int kind,
-                                                            const Tile *t, const Rows *x,
+                                                            const int P, const Tile *t,
+                                                            const Rows *x,
                                                             int64_t r0, float *y, int64_t ldy) {
     const int64_t nb = x->nb, K = x->K;
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -132,8 +138,10 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
                 const int64_t at = (r0 + r) * K + b * QB + o * 8;
                 i1[r] = _mm512_dpbusd_epi32(i1[r], w0, bcast4(x->q1 + at));
                 i1[r] = _mm512_dpbusd_epi32(i1[r], w1, bcast4(x->q1 + at + 4));
-                i2[r] = _mm512_dpbusd_epi32(i2[r], w0, bcast4(x->q2 + at));
-                i2[r] = _mm512_dpbusd_epi32(i2[r], w1, bcast4(x->q2 + at + 4));
+                if (P == 2) {
+                    i2[r] = _mm512_dpbusd_epi32(i2[r], w0, bcast4(x->q2 + at));
+                    i2[r] = _mm512_dpbusd_epi32(i2[r], w1, bcast4(x->q2 + at + 4));
+                }
             }
         }
         const __m512 dv = load_half(t->d + b * CH);
@@ -150,25 +158,34 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
             for (int r = 0; r < R; r++) { /* the weights came +128: take 128 * sum(plane) */
                 const int64_t at = (r0 + r) * nb + b;
                 const __m512i d1 = _mm512_sub_epi32(i1[r], _mm512_set1_epi32(128 * x->s1[at]));
-                const __m512i d2 = _mm512_sub_epi32(i2[r], _mm512_set1_epi32(128 * x->s2[at]));
                 const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s, acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_mul_ps(s, inv256), acc[r]);
+                if (P == 2) {
+                    const __m512i d2 =
+                        _mm512_sub_epi32(i2[r], _mm512_set1_epi32(128 * x->s2[at]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_mul_ps(s, inv256),
+                                             acc[r]);
+                }
             }
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-static void tile(int kind, int rows, const Tile *t, const Rows *x, int64_t r0, float *y,
-                 int64_t ldy) {
-#define ROWS(R, KIND) \
-    case R: tile_rows(R, KIND, t, x, r0, y, ldy); break;
+static void tile(int kind, int planes, int rows, const Tile *t, const Rows *x, int64_t r0,
+                 float *y, int64_t ldy) {
+#define ROWS(R, KIND, P) \
+    case R: tile_rows(R, KIND, P, t, x, r0, y, ldy); break;
+#define ALL(KIND, P) \
+    switch (rows) { ROWS(1, KIND, P) ROWS(2, KIND, P) ROWS(3, KIND, P) ROWS(4, KIND, P) ROWS(5, KIND, P) ROWS(6, KIND, P) }
     if (kind == Q4) {
-        switch (rows) { ROWS(1, Q4) ROWS(2, Q4) ROWS(3, Q4) ROWS(4, Q4) ROWS(5, Q4) ROWS(6, Q4) }
+        ALL(Q4, 2)
+    } else if (planes == 2) {
+        ALL(W8, 2)
     } else {
-        switch (rows) { ROWS(1, W8) ROWS(2, W8) ROWS(3, W8) ROWS(4, W8) ROWS(5, W8) ROWS(6, W8) }
+        ALL(W8, 1)
     }
+#undef ALL
 #undef ROWS
 }
 #else
@@ -197,8 +214,8 @@ static inline int32_t weight_at(int kind, const Tile *t, int64_t b, int o, int c
 }
 
 /* the same integer sums and float steps, one row at a time */
-static void tile(int kind, int rows, const Tile *t, const Rows *x, int64_t r0, float *y,
-                 int64_t ldy) {
+static void tile(int kind, int planes, int rows, const Tile *t, const Rows *x, int64_t r0,
+                 float *y, int64_t ldy) {
     const int64_t nb = x->nb, K = x->K;
     for (int r = 0; r < rows; r++) {
         float acc[CH] = {0};
@@ -221,7 +238,9 @@ static void tile(int kind, int rows, const Tile *t, const Rows *x, int64_t r0, f
                     acc[c] = fmaf(half_f32(t->m[b * CH + c]), x->sx[at], acc[c]);
                 } else {
                     acc[c] = fmaf((float)(i1[c] - 128 * x->s1[at]), dxd, acc[c]);
-                    acc[c] = fmaf((float)(i2[c] - 128 * x->s2[at]), dxd * (1.0f / 256.0f), acc[c]);
+                    if (planes == 2)
+                        acc[c] = fmaf((float)(i2[c] - 128 * x->s2[at]), dxd * (1.0f / 256.0f),
+                                      acc[c]);
                 }
             }
         }
@@ -232,19 +251,19 @@ static void tile(int kind, int rows, const Tile *t, const Rows *x, int64_t r0, f
 
 /* The driver of both kinds: x [M, K] fp32 -> y [M, N] fp32. Needs K % 32 == 0 and
  * N % 16 == 0 (the caller checks). Returns 0, or -1 when out of memory. */
-static int gemm(int kind, const float *x, int64_t M, int64_t K, const uint8_t *w,
+static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, const uint8_t *w,
                 const uint16_t *d, const uint16_t *m, int64_t N, float *y) {
     const int64_t nb = K / QB, rows_max = M < MCHUNK ? M : MCHUNK;
-    int8_t *planes = malloc((size_t)(2 * rows_max * K));
+    int8_t *buf = malloc((size_t)(2 * rows_max * K));
     float *scales = malloc(sizeof(float) * (size_t)(2 * rows_max * nb));
     int32_t *sums = malloc(sizeof(int32_t) * (size_t)(2 * rows_max * nb));
-    if (planes == NULL || scales == NULL || sums == NULL) {
-        free(planes);
+    if (buf == NULL || scales == NULL || sums == NULL) {
+        free(buf);
         free(scales);
         free(sums);
         return -1;
     }
-    const Rows xs = {planes, planes + rows_max * K, scales, scales + rows_max * nb,
+    const Rows xs = {buf, buf + rows_max * K, scales, scales + rows_max * nb,
                      sums,   sums + rows_max * nb,  K,      nb};
     const int64_t tile_bytes = kind == Q4 ? K / 2 * CH : K * CH;
     for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
@@ -258,12 +277,12 @@ static int gemm(int kind, const float *x, int64_t M, int64_t K, const uint8_t *w
                 const Tile t = {w + n * tile_bytes, d + n * nb * CH, m ? m + n * nb * CH : NULL};
                 for (int64_t r0 = 0; r0 < rows; r0 += RB) {
                     const int count = rows - r0 < RB ? (int)(rows - r0) : RB;
-                    tile(kind, count, &t, &xs, r0, y + (m0 + r0) * N + n * CH, N);
+                    tile(kind, planes, count, &t, &xs, r0, y + (m0 + r0) * N + n * CH, N);
                 }
             }
         }
     }
-    free(planes);
+    free(buf);
     free(scales);
     free(sums);
     return 0;
@@ -272,13 +291,13 @@ static int gemm(int kind, const float *x, int64_t M, int64_t K, const uint8_t *w
 /* Q4_1 weights: tiles, d and m */
 int ls_gemm_q4(const float *x, int64_t M, int64_t K, const uint8_t *wq, const uint16_t *d,
                const uint16_t *m, int64_t N, float *y) {
-    return gemm(Q4, x, M, K, wq, d, m, N, y);
+    return gemm(Q4, 2, x, M, K, wq, d, m, N, y);
 }
 
-/* Q8_0 weights: tiles, d */
+/* Q8_0 weights: tiles, d; planes: 2 (x to ~3e-5) or 1 (x to ~7e-3, half the work) */
 int ls_gemm_w8(const float *x, int64_t M, int64_t K, const uint8_t *wq, const uint16_t *d,
-               int64_t N, float *y) {
-    return gemm(W8, x, M, K, wq, d, NULL, N, y);
+               int64_t N, float *y, int planes) {
+    return gemm(W8, planes == 1 ? 1 : 2, x, M, K, wq, d, NULL, N, y);
 }
 
 /* 1 when this build multiplies by VNNI integer dot products, 0 on the portable path */

@@ -158,6 +158,14 @@ def test_carry_rows_are_replaced_each_round_and_empty_after_full_acceptance(targ
     runner.free([0])
 
 
+def _layer_kv(ctx, state, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``i``'s context keys and values ``[1, H_kv, C, hd]``: stacked (torch's path) or
+    where the C attention reads them (the state's own buffers)."""
+    if ctx.refs is None:
+        return ctx.k, ctx.v
+    return state.context_k[i][None], state.context_v[i][None]
+
+
 def test_carry_rows_are_projected_at_their_absolute_positions(target_dir, runner):
     drafter = make_drafter(target_dir, runner)
     ep = Episode(runner, 0, tokens(12, 4))
@@ -168,13 +176,16 @@ def test_carry_rows_are_projected_at_their_absolute_positions(target_dir, runner
     ctx = drafter._contexts([state])
     feats = net.carry_features(state.carry[: K - 1]).unsqueeze(0)
     expect = net.project_context(feats, state.carry_positions().unsqueeze(0))
-    for layer, (k, v) in zip(ctx, expect, strict=True):
-        assert torch.allclose(layer.k[:, :, W + 1 : W + K], k, atol=1e-6)
-        assert torch.allclose(layer.v[:, :, W + 1 : W + K], v, atol=1e-6)
+    for i, (k, v) in enumerate(expect):
+        got_k, got_v = _layer_kv(ctx[i], state, i)
+        assert torch.allclose(got_k[:, :, W + 1 : W + K], k, atol=1e-6)
+        assert torch.allclose(got_v[:, :, W + 1 : W + K], v, atol=1e-6)
     boundary = net.project_context(
         net.fuse(state.boundary)[None, None], torch.tensor([[ep.position - 1]])
     )
-    assert torch.allclose(ctx[0].k[:, :, W : W + 1], boundary[0][0], atol=1e-6)
+    assert torch.allclose(
+        _layer_kv(ctx[0], state, 0)[0][:, :, W : W + 1], boundary[0][0], atol=1e-6
+    )
     runner.free([0])
 
 
@@ -191,8 +202,9 @@ def test_carry_disabled_keeps_no_carry_rows_and_empty_carry_changes_nothing(targ
     ep.verify(first_on.tokens[0].tolist(), 1)
     second_on, second_off = on.propose([ep.request()], K), off.propose([ep.request()], K)
     assert off.state(0).carry_len == 0 and on.state(0).carry_len == K - 1
-    assert off._contexts([off.state(0)])[0].k.shape[2] == W + 1
-    assert on._contexts([on.state(0)])[0].k.shape[2] == W + 1 + K
+    for d, rows in ((off, W + 1), (on, W + 1 + K)):
+        ctx = d._contexts([d.state(0)])[0]
+        assert ctx.mask.shape[1] == rows and _layer_kv(ctx, d.state(0), 0)[0].shape[2] == rows
     assert not torch.equal(second_on.q_ids, second_off.q_ids) or not torch.equal(
         second_on.tokens, second_off.tokens
     )

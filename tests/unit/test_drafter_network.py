@@ -7,7 +7,8 @@ import torch
 
 from drafter_actor.config import DrafterConfig
 from drafter_actor.markov import MarkovHead, sample_block
-from drafter_actor.network import DrafterNetwork, LayerContext
+from drafter_actor.network import ContextRefs, DrafterNetwork, LayerContext
+from target_actor import native
 from target_actor.config import ModelConfig
 from target_actor.summary import attend_rows
 
@@ -162,6 +163,44 @@ def test_empty_summary_slots_are_ignored():
         ]
         absent = [LayerContext(c.k, c.v, c.mask) for c in ctxs]
         assert torch.allclose(net(x, positions, masked), net(x, positions, absent), atol=1e-5)
+
+
+def as_refs(ctxs: list[LayerContext]) -> list[LayerContext]:
+    """The same contexts as the drafter holds them on the host: per-sequence buffers
+    ``[L, ...]`` read by address (``ContextRefs``), an empty slot's lambda -inf."""
+    per_seq = [
+        (
+            torch.stack([c.k[n] for c in ctxs]).contiguous(),
+            torch.stack([c.v[n] for c in ctxs]).contiguous(),
+            torch.stack([c.summary_m[n] for c in ctxs]).contiguous(),
+            torch.stack(
+                [torch.where(c.summary_mask[n], 0.0, float("-inf")) for c in ctxs]
+            ).contiguous(),
+        )
+        for n in range(ctxs[0].mask.shape[0])
+    ]
+    refs = ContextRefs.of(per_seq)
+    return [LayerContext(None, None, c.mask, refs=refs, layer=i) for i, c in enumerate(ctxs)]
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the C kernels")
+def test_c_attention_over_each_sequences_buffers_matches_torchs():
+    """The host's one-call attention (``ls_draft_attend``) reads each sequence's own
+    buffers and gives torch's block pass, masked rows and empty summary slots included."""
+    net = make_net()
+    ctxs = make_contexts(net, torch.Generator().manual_seed(5))
+    ctxs[1].summary_mask[0, 1, 2:] = False  # some empty slots
+    ctxs[1].summary_mask[2, 0] = False
+    x, positions = block(net)
+    with torch.no_grad():
+        ref = net(x, positions, ctxs)
+        assert (net(x, positions, as_refs(ctxs)) - ref).abs().max() <= 1e-5
+        junk = [  # masked rows weigh exactly 0 here too
+            LayerContext(c.k, c.v.masked_fill(~c.mask[:, None, :, None], 1e4), c.mask,
+                         c.summary_m, c.summary_mask)
+            for c in ctxs
+        ]  # fmt: skip
+        assert torch.equal(net(x, positions, as_refs(junk)), net(x, positions, as_refs(ctxs)))
 
 
 def chain_head(vocab: int = 10) -> MarkovHead:

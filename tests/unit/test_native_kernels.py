@@ -247,14 +247,14 @@ def test_inference_linear_is_the_c_gemm_without_grads_and_torch_with_them():
     assert (fast - x.bfloat16().float() @ w.detach().float().t()).abs().max() <= 1e-4
 
 
-def _two_planes(x: torch.Tensor) -> torch.Tensor:
+def _two_planes(x: torch.Tensor, planes: int = 2) -> torch.Tensor:
     """``x`` as ``csrc/q4.c`` sees it: per block of 32, ``dx * (q1 + q2 / 256)`` with
-    ``dx = max|x| / 127`` and two int8 planes."""
+    ``dx = max|x| / 127`` and two int8 planes (``dx * q1`` with one)."""
     blocks = x.view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     u = blocks * (127.0 / amax)
     hi = torch.round(u)
-    lo = torch.round((u - hi) * 256).clamp(max=127)
+    lo = torch.round((u - hi) * 256).clamp(max=127) if planes == 2 else torch.zeros_like(u)
     return ((hi.double() + lo.double() / 256) * (amax / 127.0).double()).view_as(x)
 
 
@@ -304,13 +304,15 @@ def test_q4_gemm_paths_agree_bit_for_bit():
     d8 = tiles[0].clone()  # any fp16 scales of the tile shape
     outs = []
     for lib in (fast, portable):
-        y4, y8 = torch.empty(9, 32), torch.empty(9, 32)
+        y4, y8, y8_1 = torch.empty(9, 32), torch.empty(9, 32), torch.empty(9, 32)
         args = (x.data_ptr(), 9, 96, packed.data_ptr(), *(t.data_ptr() for t in tiles), 32)
         assert lib.ls_gemm_q4(*args, y4.data_ptr()) == 0
-        args = (x.data_ptr(), 9, 96, q8.data_ptr(), d8.data_ptr(), 32, y8.data_ptr())
-        assert lib.ls_gemm_w8(*args) == 0
-        outs.append((y4, y8))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        args = (x.data_ptr(), 9, 96, q8.data_ptr(), d8.data_ptr(), 32)
+        assert lib.ls_gemm_w8(*args, y8.data_ptr(), 2) == 0
+        assert lib.ls_gemm_w8(*args, y8_1.data_ptr(), 1) == 0
+        outs.append((y4, y8, y8_1))
+    for fast_out, portable_out in zip(*outs, strict=True):
+        assert torch.equal(fast_out, portable_out)
     has_vnni = "avx512_vnni" in native._cpu_flags().split()
     assert fast.ls_gemm_q4_vnni() == int(has_vnni) and portable.ls_gemm_q4_vnni() == 0
 
@@ -332,8 +334,12 @@ def test_w8_gemm_is_q8_0_weights_times_the_inputs_and_rows_stand_alone(q4_lib, m
     lin = Int8Linear(w)
     assert lin.int_lib is q4_lib and lin.act == torch.float32
     x = torch.randn(20, 96, generator=gen)
-    whole = lin(x)
-    ref = _two_planes(x) @ w.double().t()
-    assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
-    for lo, hi in ((0, 1), (2, 10), (9, 20)):
-        assert torch.equal(lin(x[lo:hi].contiguous()), whole[lo:hi])
+    for planes in (2, 1):  # 1: the drafter's (llama.cpp's Q8 activations)
+        lin.planes = planes
+        whole = lin(x)
+        ref = _two_planes(x, planes) @ w.double().t()
+        assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+        for lo, hi in ((0, 1), (2, 10), (9, 20)):
+            assert torch.equal(lin(x[lo:hi].contiguous()), whole[lo:hi])
+    with pytest.raises(ValueError, match="planes"):
+        Int8Linear(w, planes=3)
