@@ -108,6 +108,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class DrafterLayer(nn.Module):
     """A pre-norm decoder layer whose attention reads a context plus the block."""
 
+    qkv_q8: Int8Linear | None = None  # q, k, v stacked: one GEMM (``gemm_weights_int8``)
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         t = cfg.target
@@ -130,12 +132,26 @@ class DrafterLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[N, H_kv, C, hd]`` of features ``x`` ``[N, C, d]`` (RoPE'd)."""
-        N, C, _ = x.shape
-        k = self.k_proj(x).view(N, C, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(N, C, self.kv_heads, self.head_dim)
+        return self.rotate_kv(self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def rotate_kv(
+        self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected keys and values ``[N, C, H_kv * hd]`` -> ``[N, H_kv, C, hd]``, keys
+        normed (``qk_norm``) and RoPE'd."""
+        N, C, _ = k.shape
+        k, v = k.view(N, C, self.kv_heads, self.head_dim), v.view(N, C, self.kv_heads, -1)
         if self.k_norm is not None:
             k = rms_norm(k, self.k_norm, self.eps)
         return _rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three projections of ``x`` ``[N, S, d]``: one GEMM where they are fused
+        (int8 inference, ``qkv_q8``), three otherwise."""
+        if self.qkv_q8 is not None and not torch.is_grad_enabled():
+            d_kv = self.kv_heads * self.head_dim
+            return rows_through(self.qkv_q8, x).split([self.heads * self.head_dim, d_kv, d_kv], -1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
         self,
@@ -149,11 +165,12 @@ class DrafterLayer(nn.Module):
         N, S, _ = h.shape
         hd = self.head_dim
         x = rms_norm(h, self.input_norm, self.eps)
-        q = self.q_proj(x).view(N, S, self.heads, hd)
+        q, k, v = self.qkv(x)
+        q = q.view(N, S, self.heads, hd)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.eps)
         q = _rope(q, cos, sin)
-        kb, vb = self.kv(x, cos, sin)  # the block's own rows: [N, H_kv, S, hd]
+        kb, vb = self.rotate_kv(k, v, cos, sin)  # the block's own rows: [N, H_kv, S, hd]
         if ctx.refs is not None:
             out = self._attend_native(q, kb, vb, ctx, g)
         else:
@@ -271,6 +288,7 @@ class DrafterNetwork(nn.Module):
         self.target_config = target
         self.rope = RotaryTable(target)
         self.lm_head_q8: Int8Linear | None = None  # set by gemm_weights_int8
+        self.context_kv_q8: Int8Linear | None = None  # every layer's k, v: one GEMM (same)
 
     @property
     def device(self) -> torch.device:
@@ -354,6 +372,13 @@ class DrafterNetwork(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.q8 = Int8Linear(module.weight.data, planes=1)
+        # fewer, larger calls: each output channel's sums are its own, so stacking weights
+        # changes no bits, only the per-call cost (~35 GEMM calls a round at C=1 before)
+        for layer in self.layers:
+            qkv = (layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight)
+            layer.qkv_q8 = Int8Linear(torch.cat(qkv).data, planes=1)
+        kv = [w for layer in self.layers for w in (layer.k_proj.weight, layer.v_proj.weight)]
+        self.context_kv_q8 = Int8Linear(torch.cat(kv).data, planes=1)
         self.lm_head_q8 = Int8Linear(self.lm_head, planes=1)
         self.markov.w2t_q8 = Int8Linear(self.markov.w2.data.t(), planes=1)
 
@@ -381,7 +406,13 @@ class DrafterNetwork(nn.Module):
         """Each layer's K/V ``[N, H_kv, C, hd]`` of fused features ``[N, C, d]`` at ``positions``
         (``top``: their largest, if known; see ``rotary``)."""
         cos, sin = self.rotary(positions, top)  # [N, C, hd]
-        return [layer.kv(feats, cos, sin) for layer in self.layers]
+        if self.context_kv_q8 is None or torch.is_grad_enabled():
+            return [layer.kv(feats, cos, sin) for layer in self.layers]
+        kv = rows_through(self.context_kv_q8, feats).chunk(2 * len(self.layers), -1)
+        return [
+            layer.rotate_kv(kv[2 * i], kv[2 * i + 1], cos, sin)
+            for i, layer in enumerate(self.layers)
+        ]
 
     def embed_block(
         self,
