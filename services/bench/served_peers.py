@@ -12,6 +12,12 @@ another (never two at once on the same cores), and driven by the same streaming 
 
 Equal work: every request asks for ``max_tokens`` tokens with EOS ignored (``ignore_eos``;
 llama.cpp's server has no such field, so its EOS tokens get a ``logit_bias`` of -100).
+With ``repeats`` > 1 our two modes are measured in pairs: both servers stay up and take
+turns stage by stage (the order flipping each repeat), so machine drift between minutes
+falls on both alike; each stage reports the median repeat, and spec / plain is the median
+of the paired ratios (every repeat's values are in the report). Single runs on a shared
+2-vCPU machine move that ratio by ~0.2, which is what the pairing is for.
+
 The report (JSON + PNG) has each system's tokens/s and TPOT / TTFT percentiles per C and
 ours over each peer, all from this one run; and, with C=1 in the run, our engine's TPOT
 in this process on the same prompts (no Ray, no HTTP) with the served / in-process
@@ -54,6 +60,7 @@ class ServedPeersConfig:
     quant: str = "auto"  # ours
     vllm_dtype: str = "float32"
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    repeats: int = 1  # > 1: our two modes measured in interleaved pairs (module docstring)
     log_dir: Path | None = None  # servers' logs; default $LONGSPARK_HOME/logs
 
 
@@ -150,6 +157,65 @@ def _eos_bias(system: str) -> dict[str, Any]:
         *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")),
     }
     return {"logit_bias": {str(i): -100 for i in ids if isinstance(i, int) and i >= 0}}
+
+
+async def _drive_pair(urls: dict[str, str], cfg: ServedPeersConfig) -> dict[str, Any]:
+    """Our two modes, both up, stage by stage in turns for ``cfg.repeats`` repeats:
+    per system, each stage's median repeat (by tokens/s) with every repeat's tokens/s and
+    TPOT p50; and per stage the paired spec / plain ratios."""
+    import statistics
+
+    extra = {"ignore_eos": True}
+    clients = {s: make_client(u) for s, u in urls.items()}
+    model = (await next(iter(clients.values())).models.list()).data[0].id
+    mix = [[{"role": "user", "content": p}] for p in mix_prompts(cfg.num_prompts, cfg.seed)]
+    for client in clients.values():
+        await send_one(client, model, mix[0], 8, extra_body=extra)  # warm-up
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {s: {} for s in urls}
+    order = list(urls)
+    for rep in range(cfg.repeats):
+        for c in cfg.concurrency:
+            prompts = repeat_to(mix, max(cfg.num_prompts, c))
+            for system in order if rep % 2 == 0 else order[::-1]:
+                records, wall = await run_level(
+                    clients[system], model, prompts, c, cfg.max_tokens, extra_body=extra
+                )
+                runs[system].setdefault(c, []).append(summarize_level(records, wall))
+    for client in clients.values():
+        await client.close()
+    out: dict[str, Any] = {}
+    for system, by_c in runs.items():
+        stages = []
+        for c, reps in by_c.items():
+            ranked = sorted(reps, key=lambda r: r["output_tokens_per_s"] or 0)
+            stages.append(
+                {
+                    "stage": f"C={c}",
+                    "concurrency": c,
+                    "value": c,
+                    **ranked[(len(ranked) - 1) // 2],  # the median repeat (lower, if even)
+                    "repeats_tokens_per_s": [r["output_tokens_per_s"] for r in reps],
+                    "repeats_tpot_p50_ms": [(r["tpot_ms"] or {}).get("p50") for r in reps],
+                }
+            )
+        out[system] = stages
+    if {"longspark", "longspark_ar"} <= set(runs):
+        paired = []
+        for c in cfg.concurrency:
+            ratios = [
+                round(a["output_tokens_per_s"] / b["output_tokens_per_s"], 3)
+                for a, b in zip(runs["longspark"][c], runs["longspark_ar"][c], strict=True)
+                if a["output_tokens_per_s"] and b["output_tokens_per_s"]
+            ]
+            paired.append(
+                {
+                    "stage": f"C={c}",
+                    "ratios": ratios,
+                    "median": round(statistics.median(ratios), 3) if ratios else None,
+                }
+            )
+        out["paired_spec_over_plain"] = paired
+    return out
 
 
 async def _drive(url: str, cfg: ServedPeersConfig, extra: dict[str, Any]) -> list[dict[str, Any]]:
@@ -252,10 +318,38 @@ def _served_over_in_process(
     return out
 
 
+def _run_pair(cfg: ServedPeersConfig, systems: dict[str, Any], skipped: dict[str, str]) -> Any:
+    """Both of our modes up at once, measured in turns (``_drive_pair``); the paired
+    spec / plain ratios, or None when a server did not start."""
+    pair = ("longspark", "longspark_ar")
+    t0 = time.monotonic()
+    try:
+        with _server(pair[0], cfg) as url_a, _server(pair[1], cfg) as url_b:
+            ready_s = time.monotonic() - t0
+            result = asyncio.run(_drive_pair(dict(zip(pair, (url_a, url_b), strict=True)), cfg))
+    except RuntimeError as exc:
+        print(f"{'/'.join(pair)}: {exc}", file=sys.stderr)
+        for system in pair:
+            skipped[system] = str(exc)
+        return None
+    for system in pair:
+        systems[system] = {"start_s": round(ready_s, 1), "stages": result[system]}
+        print(
+            system,
+            [(r["stage"], r["output_tokens_per_s"]) for r in result[system]],
+            file=sys.stderr,
+        )
+    return result.get("paired_spec_over_plain")
+
+
 def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
     systems: dict[str, Any] = {}
     skipped: dict[str, str] = {}
+    pair = cfg.repeats > 1 and {"longspark", "longspark_ar"} <= set(cfg.systems)
+    paired = _run_pair(cfg, systems, skipped) if pair else None
     for system in cfg.systems:
+        if pair and system in ("longspark", "longspark_ar"):
+            continue  # measured above
         reason = _missing(system, cfg)
         if reason:
             print(reason, file=sys.stderr)
@@ -290,6 +384,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
         "machine": machine_info(),
         "settings": {
             "concurrency": cfg.concurrency,
+            "repeats": cfg.repeats,
             "max_tokens": cfg.max_tokens,
             "num_prompts": cfg.num_prompts,
             "ours": {"dtype": cfg.dtype, "quant": cfg.quant},
@@ -299,6 +394,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
         "systems": systems,
         "skipped": skipped,
         "ratios": _ratios(systems),
+        "paired_spec_over_plain": paired,
         "in_process": in_process,
         "served_over_in_process_tpot": _served_over_in_process(systems, in_process),
         "problems": failed,

@@ -148,6 +148,13 @@ def _add_serving_benchmarks(bench_sub: Any) -> None:
     )
     pe.add_argument("--llama-venv", default=".venv-llama", help="--served: llama-cpp-python")
     pe.add_argument("--plot", default=None, help="--served: write a PNG of the results here")
+    pe.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="--served: measure our two modes this many times in interleaved pairs "
+        "(both servers up, taking turns); stages report the median repeat",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -278,6 +285,7 @@ def _served_peers(args: argparse.Namespace) -> dict[str, Any]:
         llama_venv=Path(args.llama_venv),
         dtype=args.dtype,
         quant=args.quant,
+        repeats=args.repeats,
     )
     return run_served_peers(cfg)
 

@@ -1,0 +1,71 @@
+"""``bench peers --served --repeats N``: our two modes measured in interleaved pairs.
+
+The HTTP client is replaced by a fake that answers from a script (the real client and
+servers run in ``longspark bench peers --served``); what is checked here is the
+bookkeeping: who runs when, which repeat a stage reports, and the paired ratios.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.bench import served_peers
+from services.bench.http_load import RequestRecord
+from services.bench.served_peers import ServedPeersConfig
+
+
+class _Models:
+    async def list(self):
+        class _M:
+            id = "m"
+
+        class _L:
+            data = [_M()]
+
+        return _L()
+
+
+class _Client:
+    def __init__(self, url: str) -> None:
+        self.url, self.models = url, _Models()
+
+    async def close(self) -> None:
+        pass
+
+
+def test_pairs_take_turns_and_report_the_median_repeat_and_paired_ratios(monkeypatch):
+    # tokens/s by (system, repeat) at every C: spec is faster in repeats 0 and 2 only
+    speed = {"spec": [120.0, 60.0, 110.0], "plain": [100.0, 100.0, 100.0]}
+    calls: list[tuple[str, int]] = []
+
+    async def run_level(client, model, prompts, c, max_tokens, extra_body=None):
+        system = "spec" if client.url.endswith("a") else "plain"
+        rep = sum(1 for s, cc in calls if s == system and cc == c)
+        calls.append((system, c))
+        rec = RequestRecord(
+            0, ok=True, ttft_s=0.1, e2e_s=1.0, output_tokens=int(speed[system][rep])
+        )
+        return [rec], 1.0
+
+    async def send_one(*args, **kwargs):
+        return RequestRecord(0, ok=True)
+
+    monkeypatch.setattr(served_peers, "make_client", _Client)
+    monkeypatch.setattr(served_peers, "run_level", run_level)
+    monkeypatch.setattr(served_peers, "send_one", send_one)
+    cfg = ServedPeersConfig(concurrency=[1, 8], num_prompts=2, repeats=3)
+    urls = {"longspark": "http://a", "longspark_ar": "http://b"}
+    out = asyncio.run(served_peers._drive_pair(urls, cfg))
+
+    # stage by stage in turns, the order flipping every repeat
+    assert calls == [
+        ("spec", 1), ("plain", 1), ("spec", 8), ("plain", 8),
+        ("plain", 1), ("spec", 1), ("plain", 8), ("spec", 8),
+        ("spec", 1), ("plain", 1), ("spec", 8), ("plain", 8),
+    ]  # fmt: skip
+    spec_c1 = out["longspark"][0]
+    assert spec_c1["stage"] == "C=1" and spec_c1["repeats_tokens_per_s"] == [120.0, 60.0, 110.0]
+    assert spec_c1["output_tokens_per_s"] == 110.0  # the median repeat, not the mean or the best
+    assert out["paired_spec_over_plain"][0] == {
+        "stage": "C=1", "ratios": [1.2, 0.6, 1.1], "median": 1.1,
+    }  # fmt: skip
