@@ -27,7 +27,7 @@ serve: model
 	$(BIN)/longspark serve
 
 test: model
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # tests/gpu (skipped without CUDA, also under `make test`); deploy/gpu-check.sh runs it too
 test-gpu: model
