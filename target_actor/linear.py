@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from target_actor import native
 
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "int8-q8", "int4-q8")
+EXACT_QUANTS = ("none", "int8", "int4")  # what ``auto`` may pick (see WeightForm.planes)
 INT4_GROUP = 32
 
 
@@ -54,7 +55,7 @@ def quant_kernels_available() -> bool:
 class WeightForm:
     """How a model's GEMM weights are stored and run (the same for every linear)."""
 
-    quant: str = "none"  # "none" | "int8" | "int4"
+    quant: str = "none"  # one of QUANTS
     packed_rows: tuple[int, ...] = ()  # dense fp32 only: row counts MKL pre-packs
 
     def __post_init__(self) -> None:
@@ -63,17 +64,31 @@ class WeightForm:
                 f"unknown quantization {self.quant!r}; choose from {', '.join(QUANTS)}"
             )
 
+    @property
+    def bits(self) -> str:
+        """The weights' form without the activations': "none" | "int8" | "int4"."""
+        return self.quant.removesuffix("-q8")
+
+    @property
+    def planes(self) -> int:
+        """How the integer kernels take the activations: 2 int8 planes (to ~3e-5, the
+        exact forms) or, for the ``-q8`` forms, 1 (llama.cpp's Q8 arithmetic on the same
+        blocks: roughly half the GEMM work at several rows, and its rounding)."""
+        return 1 if self.quant.endswith("-q8") else 2
+
     def head(self) -> WeightForm:
         """The LM head's form. Under int4 it is int8: a GGUF keeps its output / embedding
         matrix above 4 bits (SmolLM2's Q4_1 file does), and int4 would cost it ~10% error."""
-        return WeightForm("int8") if self.quant == "int4" else self
+        if self.bits == "int4":
+            return WeightForm(self.quant.replace("int4", "int8"), self.packed_rows)
+        return self
 
     def make(self, weight: torch.Tensor) -> Linear:
         """The linear for ``weight`` ``[out, in]`` (given in the model's dtype, or fp32)."""
-        if self.quant == "int4" and weight.shape[1] % INT4_GROUP == 0:
-            return Int4Linear(weight)
-        if self.quant in ("int4", "int8"):  # int4 on a shape it cannot group: int8
-            return Int8Linear(weight)
+        if self.bits == "int4" and weight.shape[1] % INT4_GROUP == 0:
+            return Int4Linear(weight, self.planes)
+        if self.bits in ("int4", "int8"):  # int4 on a shape it cannot group: int8
+            return Int8Linear(weight, self.planes)
         return DenseLinear(weight, self.packed_rows)
 
 
@@ -191,7 +206,14 @@ def _tile_scales(s: torch.Tensor) -> torch.Tensor:
 
 
 class Int4Linear(_WeightOnly):
-    def __init__(self, weight: torch.Tensor) -> None:
+    """GGUF Q4_1 blocks. With ``csrc/q4.c`` (VNNI) by integer dot products, fp32
+    activations as ``planes`` int8 planes (see ``Int8Linear``); otherwise torch's int4
+    kernel (bf16 activations)."""
+
+    def __init__(self, weight: torch.Tensor, planes: int = 2) -> None:
+        if planes not in (1, 2):
+            raise ValueError(f"planes must be 1 or 2, not {planes}")
+        self.planes = planes
         self.out_features, self.in_features = weight.shape
         q, d, m = quantize_q4_1(weight)
         self.lib = native_q4_lib(weight.shape)
@@ -207,7 +229,8 @@ class Int4Linear(_WeightOnly):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is not None:
-            return _int_gemm(self.lib.ls_gemm_q4, x, self.out_features, self.packed, self.d, self.m)
+            fn, n = self.lib.ls_gemm_q4, self.out_features
+            return _int_gemm(fn, x, n, self.packed, self.d, self.m, planes=self.planes)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
 
     @property

@@ -126,8 +126,8 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         # kind (0 int8, 1 bf16), x, M, K, weights, scales, N, y
         "ls_gemm": [i32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
         "ls_gemm_bf16_dot": [],
-        # x, M, K, packed weights, d, m, N, y
-        "ls_gemm_q4": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR],
+        # x, M, K, packed weights, d, m, N, y, activation planes (1 or 2)
+        "ls_gemm_q4": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, i32],
         # x, M, K, packed weights, scales, N, y, activation planes (1 or 2)
         "ls_gemm_w8": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, i32],
         "ls_gemm_q4_vnni": [],

@@ -32,7 +32,7 @@ class TargetSpec:
 
     path: str
     dtype: str = "float32"  # activations, KV cache, dense weights; "auto": timed at start
-    quant: str = "none"  # GEMM weights: none | int8 | int4 | auto (timed at start)
+    quant: str = "none"  # GEMM weights: one of linear.QUANTS, or auto (timed at start)
     kv_cache_tokens: int = 65536  # whole-model token budget of the KV pool
     num_taps: int = DEFAULT_NUM_TAPS
     tap_layer_ids: tuple[int, ...] | None = None  # the drafter's taps; default evenly spaced
@@ -47,7 +47,7 @@ class TargetSpec:
             check_kv_dtype(self.kv_dtype)
         except ValueError as exc:
             raise TargetConfigError(str(exc)) from None
-        if self.quant in ("int8", "int4") and not self.device.startswith("cpu"):
+        if self.quant not in ("none", "auto") and not self.device.startswith("cpu"):
             raise TargetConfigError(
                 f"--quant {self.quant} runs on the CPU kernels only; on {self.device} use"
                 " --quant none"
@@ -61,9 +61,40 @@ class TargetSpec:
         if "auto" not in (self.dtype, self.quant):
             return self
         cfg = ModelConfig.from_pretrained(self.path, self.num_taps)
+        if self.quant == "auto" and self.device.startswith("cpu") and holds_q4_1_weights(self.path):
+            # a Q4_1 GGUF's own weights: int4 multiplies by them exactly (with the VNNI
+            # kernels' fp32 activations), where int8 would re-round them; faithful first
+            dtype = "float32" if self.dtype == "auto" else self.dtype
+            return dataclasses.replace(self, dtype=dtype, quant="int4")
         choice = _choose(self.dtype, self.quant, _probe_shape(cfg, tp), self.device)
         name = str(choice.dtype).removeprefix("torch.")
         return dataclasses.replace(self, dtype=name, quant=choice.quant)
+
+
+def holds_q4_1_weights(path: str) -> bool:
+    """Whether the checkpoint's layer weights sit exactly on GGUF Q4_1 grids (a model
+    dequantised from a Q4_1 file, like the default one), checked on its first layer's
+    projections, and this host multiplies int4 by the C kernels (whose fp32 activations keep
+    those weights' products exact to ~3e-5; torch's int4 kernel rounds them to bf16)."""
+    from target_actor.linear import INT4_GROUP, native_q4_lib, quantize_q4_1
+    from target_actor.weights import CheckpointReader
+
+    names = [f"model.layers.0.{n}.weight" for n in ("self_attn.q_proj", "mlp.down_proj")]
+    reader = CheckpointReader(path)
+    try:
+        weights = [reader.get(n) for n in names if reader.has(n)]
+    finally:
+        reader.close()
+    if not weights:
+        return False
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] % INT4_GROUP or native_q4_lib(tuple(w.shape)) is None:
+            return False
+        q, d, m = quantize_q4_1(w)
+        back = d.repeat_interleave(INT4_GROUP, 1) * q + m.repeat_interleave(INT4_GROUP, 1)
+        if not torch.equal(back, w.float()):
+            return False
+    return True
 
 
 def _probe_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from target_actor import native
-from target_actor.linear import QUANTS, WeightForm, quant_kernels_available
+from target_actor.linear import EXACT_QUANTS, QUANTS, WeightForm, quant_kernels_available
 
 log = logging.getLogger("longspark.target")
 
@@ -39,7 +39,7 @@ PROBE_BYTES = 96 << 20  # fp32 bytes of probe weights: well past any cache
 @dataclass(frozen=True)
 class Choice:
     dtype: torch.dtype  # activations, KV cache, dense weights
-    quant: str  # GEMM weights: "none" | "int8" | "int4"
+    quant: str  # GEMM weights: one of QUANTS
     timings_ms: dict[str, float]  # what the probe measured (empty when nothing was auto)
 
 
@@ -94,18 +94,20 @@ def choose(dtype: str, quant: str, shape: tuple[int, int], device: str = "cpu") 
     """
     check_form_names(dtype, quant)
     if device != "cpu":
-        if quant in ("int8", "int4"):
+        if quant != "none" and quant != "auto":
             raise ValueError(
                 f"--quant {quant} runs on the CPU kernels only; on {device} use --quant none"
             )
         return Choice(torch.bfloat16 if dtype == "auto" else DTYPES[dtype], "none", {})
-    if quant in ("int8", "int4") and not quant_kernels_available():
+    if quant not in ("none", "auto") and not quant_kernels_available():
         raise ValueError(f"this torch ({torch.__version__}) has no CPU {quant} weight kernels")
     if dtype != "auto" and quant != "auto":
         return Choice(DTYPES[dtype], quant, {})
     dtypes = [DTYPES[dtype]] if dtype != "auto" else [torch.float32, torch.bfloat16]
     quants = (
-        [quant] if quant != "auto" else (list(QUANTS) if quant_kernels_available() else ["none"])
+        [quant]
+        if quant != "auto"
+        else (list(EXACT_QUANTS) if quant_kernels_available() else ["none"])
     )
     # a quantized GEMM runs in bf16 whatever the model's dtype; fp32 around it keeps the
     # residual stream and the KV cache exact, so the dtype is only raced for dense weights

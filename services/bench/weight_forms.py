@@ -31,6 +31,8 @@ FORMS = (
     ("float32", "int8"),
     ("float32", "int4"),
     ("bfloat16", "int4"),
+    ("float32", "int8-q8"),  # opt-in: llama.cpp's one int8 activation plane
+    ("float32", "int4-q8"),
 )
 SHAPES = ((1, 1), (1, 8), (8, 1), (32, 1))  # (sequences, rows each)
 CONTEXT = 256

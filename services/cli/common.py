@@ -22,7 +22,9 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quant",
         default="auto",
-        help="GEMM weights: auto (timed at start), none, int8, int4 (GGUF Q4_1's grid)",
+        help="GEMM weights: auto (timed at start), none, int8, int4 (GGUF Q4_1's grid); "
+        "int8-q8 / int4-q8: the same weights with llama.cpp's int8 activations (faster, "
+        "rounded as llama.cpp rounds)",
     )
     p.add_argument(
         "--kv-dtype",

@@ -73,7 +73,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--dtype", default=None, help="activations / KV / dense weights: auto, float32, bfloat16"
     )
-    model.add_argument("--quant", default=None, help="GEMM weights: auto, none, int8, int4")
+    model.add_argument(
+        "--quant", default=None, help="GEMM weights: auto, none, int8, int4, int8-q8, int4-q8"
+    )
     model.add_argument(
         "--kv-dtype", default=None, help="KV cache: auto (as --dtype), float32, bfloat16"
     )

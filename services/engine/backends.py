@@ -44,7 +44,9 @@ class EngineOptions(BaseModel):
     dtype: str = Field(
         "auto", description="target activations / KV / dense weights: auto, float32, bfloat16"
     )
-    quant: str = Field("auto", description="target GEMM weights: auto, none, int8, int4")
+    quant: str = Field(
+        "auto", description="target GEMM weights: auto, none, int8, int4, int8-q8, int4-q8"
+    )
     kv_dtype: str = Field(
         "auto", description="the target's KV cache: auto (as dtype), float32, bfloat16"
     )

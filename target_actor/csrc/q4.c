@@ -23,10 +23,11 @@
  * shared by up to 8 rows held in registers: extra rows cost about half as much, and prefill
  * about a third.
  *
- * One plane (W8 only, ``planes`` = 1): x ~= dx * q1, llama.cpp's Q8 activations, at half the
- * integer work. For the drafter, whose numbers only shape its proposals (a proposal carries
- * the distribution it was drawn from, so verification stays exact whatever they are); the
- * target always takes two.
+ * One plane (``planes`` = 1): x ~= dx * q1, llama.cpp's Q8 activations, at half the integer
+ * work: the second plane is zero and its dot products are skipped, so one plane computes
+ * what two planes would with q2 = 0, bit for bit. For the drafter (its numbers only shape
+ * its proposals, which carry the distribution they were drawn from) and the target's
+ * opt-in ``-q8`` forms (llama.cpp's arithmetic on the GGUF's blocks).
  *
  * Exactness: the integer sums are exact and the float steps per (row, channel, block) are
  * fixed and taken in block order, so y[r, n] depends on row r's inputs only: never on M, the
@@ -71,7 +72,7 @@ typedef struct {
     const uint16_t *d, *m; /* m: Q4 only */
 } Tile;
 
-static void quantize_row(const float *x, const Rows *xs, int64_t r) {
+static void quantize_row(const float *x, const Rows *xs, int64_t r, int planes) {
     const int64_t K = xs->K, nb = xs->nb;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QB;
@@ -87,6 +88,7 @@ static void quantize_row(const float *x, const Rows *xs, int64_t r) {
             const float u = xb[j] * inv, hi = rintf(u);
             float lo = rintf((u - hi) * 256.0f);
             lo = lo > 127.0f ? 127.0f : lo; /* (u - hi) is at most 1/2: 128 at worst */
+            lo = planes == 2 ? lo : 0.0f;
             q1[j] = (int8_t)hi;
             q2[j] = (int8_t)lo;
             s1 += q1[j];
@@ -138,7 +140,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
                 const int64_t at = (r0 + r) * K + b * QB + o * 8;
                 i1[r] = _mm512_dpbusd_epi32(i1[r], w0, bcast4(x->q1 + at));
                 i1[r] = _mm512_dpbusd_epi32(i1[r], w1, bcast4(x->q1 + at + 4));
-                if (P == 2) {
+                if (P == 2) { /* with one plane q2 is zero: these would add nothing */
                     i2[r] = _mm512_dpbusd_epi32(i2[r], w0, bcast4(x->q2 + at));
                     i2[r] = _mm512_dpbusd_epi32(i2[r], w1, bcast4(x->q2 + at + 4));
                 }
@@ -178,8 +180,10 @@ static void tile(int kind, int planes, int rows, const Tile *t, const Rows *x, i
     case R: tile_rows(R, KIND, P, t, x, r0, y, ldy); break;
 #define ALL(KIND, P) \
     switch (rows) { ROWS(1, KIND, P) ROWS(2, KIND, P) ROWS(3, KIND, P) ROWS(4, KIND, P) ROWS(5, KIND, P) ROWS(6, KIND, P) }
-    if (kind == Q4) {
+    if (kind == Q4 && planes == 2) {
         ALL(Q4, 2)
+    } else if (kind == Q4) {
+        ALL(Q4, 1)
     } else if (planes == 2) {
         ALL(W8, 2)
     } else {
@@ -271,7 +275,7 @@ static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, cons
 #pragma omp parallel
         {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) quantize_row(x + (m0 + r) * K, &xs, r);
+            for (int64_t r = 0; r < rows; r++) quantize_row(x + (m0 + r) * K, &xs, r, planes);
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N / CH; n++) {
                 const Tile t = {w + n * tile_bytes, d + n * nb * CH, m ? m + n * nb * CH : NULL};
@@ -288,10 +292,10 @@ static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, cons
     return 0;
 }
 
-/* Q4_1 weights: tiles, d and m */
+/* Q4_1 weights: tiles, d and m; planes as for ls_gemm_w8 */
 int ls_gemm_q4(const float *x, int64_t M, int64_t K, const uint8_t *wq, const uint16_t *d,
-               const uint16_t *m, int64_t N, float *y) {
-    return gemm(Q4, 2, x, M, K, wq, d, m, N, y);
+               const uint16_t *m, int64_t N, float *y, int planes) {
+    return gemm(Q4, planes == 1 ? 1 : 2, x, M, K, wq, d, m, N, y);
 }
 
 /* Q8_0 weights: tiles, d; planes: 2 (x to ~3e-5) or 1 (x to ~7e-3, half the work) */

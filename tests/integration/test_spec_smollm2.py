@@ -125,3 +125,23 @@ def test_adaptive_k_with_a_trained_drafter_equals_plain(
     finally:
         close()
     assert [o.token_ids for o in outs] == plain_outputs
+
+
+def test_the_q8_activation_form_keeps_spec_equal_to_plain(chats):
+    """The opt-in ``int4-q8`` form (llama.cpp's one int8 activation plane) rounds every
+    GEMM input coarsely, but row by row: a verify block's rows are its decode steps, so
+    spec output is plain output in that form too (batched, k=7 blocks)."""
+    form = {"dtype": "float32", "quant": "int4-q8"}
+    outs = {}
+    for mode in ("ar", "spec"):
+        extra = {"k": 7, "adaptive": False} if mode == "spec" else {}
+        engine, close = build_engine(EngineOptions(mode=mode, max_num_seqs=4, **form, **extra))
+        try:
+            outs[mode] = [
+                o.token_ids for o in engine.generate(chats[:8], SamplingParams(max_tokens=40))
+            ]
+            if mode == "spec":
+                assert engine.stats.spec.num_drafts > 0
+        finally:
+            close()
+    assert outs["spec"] == outs["ar"]

@@ -281,12 +281,14 @@ def test_q4_gemm_is_q4_1_weights_times_the_inputs_and_rows_stand_alone(q4_lib, m
     q, d, m = quantize_q4_1(w)
     d, m = d.half().double().repeat_interleave(32, 1), m.half().double().repeat_interleave(32, 1)
     x = torch.randn(150, K, generator=gen)  # 150 rows: two sweeps of 128, a ragged last tile
-    whole = lin(x)
-    ref = _two_planes(x) @ (d * q + m).t()
-    assert whole.dtype == torch.float32 and whole.shape == (150, N)
-    assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
-    for lo, hi in ((0, 1), (3, 11), (5, 6), (7, 16), (128, 150)):
-        assert torch.equal(lin(x[lo:hi].contiguous()), whole[lo:hi])
+    for planes in (2, 1):  # 1: the int4-q8 form (llama.cpp's Q8 activations)
+        lin.planes = planes
+        whole = lin(x)
+        ref = _two_planes(x, planes) @ (d * q + m).t()
+        assert whole.dtype == torch.float32 and whole.shape == (150, N)
+        assert (whole.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+        for lo, hi in ((0, 1), (3, 11), (5, 6), (7, 16), (128, 150)):
+            assert torch.equal(lin(x[lo:hi].contiguous()), whole[lo:hi])
 
 
 def test_q4_gemm_paths_agree_bit_for_bit():
@@ -304,13 +306,14 @@ def test_q4_gemm_paths_agree_bit_for_bit():
     d8 = tiles[0].clone()  # any fp16 scales of the tile shape
     outs = []
     for lib in (fast, portable):
-        y4, y8, y8_1 = torch.empty(9, 32), torch.empty(9, 32), torch.empty(9, 32)
+        y4, y4_1, y8, y8_1 = (torch.empty(9, 32) for _ in range(4))
         args = (x.data_ptr(), 9, 96, packed.data_ptr(), *(t.data_ptr() for t in tiles), 32)
-        assert lib.ls_gemm_q4(*args, y4.data_ptr()) == 0
+        assert lib.ls_gemm_q4(*args, y4.data_ptr(), 2) == 0
+        assert lib.ls_gemm_q4(*args, y4_1.data_ptr(), 1) == 0
         args = (x.data_ptr(), 9, 96, q8.data_ptr(), d8.data_ptr(), 32)
         assert lib.ls_gemm_w8(*args, y8.data_ptr(), 2) == 0
         assert lib.ls_gemm_w8(*args, y8_1.data_ptr(), 1) == 0
-        outs.append((y4, y8, y8_1))
+        outs.append((y4, y4_1, y8, y8_1))
     for fast_out, portable_out in zip(*outs, strict=True):
         assert torch.equal(fast_out, portable_out)
     has_vnni = "avx512_vnni" in native._cpu_flags().split()

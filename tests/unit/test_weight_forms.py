@@ -65,7 +65,21 @@ def test_int4_falls_back_to_int8_where_inputs_do_not_group():
     assert isinstance(WeightForm("int4").head().make(torch.randn(8, 64)), Int8Linear)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_q8_forms_keep_their_weights_and_take_one_activation_plane():
+    """``-q8``: the same weight blocks, llama.cpp's one int8 activation plane, the head
+    included; ``auto`` never picks them (they round the activations ~200x coarser)."""
+    from target_actor.linear import EXACT_QUANTS, Int4Linear
+
+    form = WeightForm("int4-q8")
+    assert (form.bits, form.planes) == ("int4", 1) and WeightForm("int4").planes == 2
+    assert form.head().quant == "int8-q8" and "int4-q8" not in EXACT_QUANTS
+    w = torch.randn(32, 64)
+    fast, exact = form.make(w), WeightForm("int4").make(w)
+    assert isinstance(fast, Int4Linear) and fast.planes == 1 and exact.planes == 2
+    assert torch.equal(fast.dequantized(), exact.dequantized())  # the same weights
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "int4-q8"])
 def test_quantized_runner_decodes_like_its_own_prefill(tiny_checkpoints, quant):
     path = str(tiny_checkpoints["llama"])
     runner = TargetRunner(TargetSpec(path, quant=quant))
@@ -115,7 +129,8 @@ def test_auto_is_timed_once_per_machine(tiny_checkpoints, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize(
-    "quant, kv_dtype", [("int4", "auto"), ("int4", "bfloat16"), ("none", "auto")]
+    "quant, kv_dtype",
+    [("int4", "auto"), ("int4", "bfloat16"), ("int4-q8", "auto"), ("none", "auto")],
 )
 def test_a_verify_block_equals_its_decode_steps_bit_for_bit(tiny_checkpoints, quant, kv_dtype):
     """Through bf16 GEMM inputs, spec == plain needs each verify row to be computed exactly
@@ -123,7 +138,7 @@ def test_a_verify_block_equals_its_decode_steps_bit_for_bit(tiny_checkpoints, qu
     row alone (with an fp32 or a bf16 cache); bf16 takes torch's SDPA row by row
     (``row_exact``; with it off, the bf16 case fails here, checked when this was written)."""
     path = str(tiny_checkpoints["qwen2"])
-    dtype = "float32" if quant == "int4" else "bfloat16"
+    dtype = "float32" if quant.startswith("int4") else "bfloat16"
     runner = TargetRunner(TargetSpec(path, dtype=dtype, quant=quant, kv_dtype=kv_dtype))
     assert runner.cache.dtype == (torch.bfloat16 if kv_dtype == "bfloat16" else runner.dtype)
     assert runner.model.row_exact
@@ -136,3 +151,36 @@ def test_a_verify_block_equals_its_decode_steps_bit_for_bit(tiny_checkpoints, qu
         for i, t in enumerate(tokens[200:])
     ]
     assert torch.equal(block, torch.cat(steps))
+
+
+def test_auto_takes_int4_for_a_q4_1_checkpoint_without_timing(tmp_path, monkeypatch):
+    """A model dequantised from a Q4_1 GGUF (the default one is): ``auto`` multiplies by
+    its own weights (int4, fp32 activations) instead of timing forms that re-round them."""
+    from safetensors.torch import load_file, save_file
+
+    from target_actor import weight_choice
+    from target_actor.linear import native_q4_lib, quantize_q4_1
+    from target_actor.runner import holds_q4_1_weights
+    from tests.conftest import make_tiny_checkpoint
+
+    if native_q4_lib((16, 32)) is None:
+        pytest.skip("needs the C kernels with AVX512-VNNI")
+    path = make_tiny_checkpoint(tmp_path / "q4", "llama", vocab_size=128)
+    assert not holds_q4_1_weights(str(path))  # random fp32 weights: timed as before
+    weights = load_file(path / "model.safetensors")
+    for name, w in weights.items():
+        if name.startswith("model.layers.") and w.dim() == 2:
+            q, d, m = quantize_q4_1(w)
+            weights[name] = (d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)).to(
+                w.dtype
+            )
+    save_file(weights, path / "model.safetensors")
+    assert holds_q4_1_weights(str(path))
+
+    def no_probe(*args):
+        raise AssertionError("a Q4_1 checkpoint's auto form is not timed")
+
+    monkeypatch.setattr(weight_choice, "probe", no_probe)
+    spec = TargetSpec(str(path), dtype="auto", quant="auto").resolved()
+    assert (spec.dtype, spec.quant) == ("float32", "int4")
+    assert TargetSpec(str(path), dtype="bfloat16", quant="auto").resolved().quant == "int4"
