@@ -191,7 +191,7 @@ class DrafterLayer(nn.Module):
         N, S, H, hd = q.shape
         refs, out = ctx.refs, torch.empty(N, S, H, hd, device="cpu")  # the host's kernels
         q, kb, vb = q.float().contiguous(), kb.float().contiguous(), vb.float().contiguous()
-        mask = ctx.mask.contiguous()
+        mask, g = ctx.mask.contiguous(), g.float().contiguous()  # held: the call reads them
         rc = native.library().ls_draft_attend(
             q.data_ptr(),
             kb.data_ptr(),
@@ -199,7 +199,7 @@ class DrafterLayer(nn.Module):
             refs.k.data_ptr(),
             refs.v.data_ptr(),
             mask.data_ptr(),
-            g.contiguous().data_ptr(),
+            g.data_ptr(),
             refs.summary_m.data_ptr(),
             refs.summary_lam.data_ptr(),
             out.data_ptr(),
