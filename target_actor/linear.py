@@ -211,9 +211,7 @@ class Int4Linear(_WeightOnly):
     kernel (bf16 activations)."""
 
     def __init__(self, weight: torch.Tensor, planes: int = 2) -> None:
-        if planes not in (1, 2):
-            raise ValueError(f"planes must be 1 or 2, not {planes}")
-        self.planes = planes
+        self.planes = _planes(planes)
         self.out_features, self.in_features = weight.shape
         q, d, m = quantize_q4_1(weight)
         self.lib = native_q4_lib(weight.shape)
@@ -230,7 +228,7 @@ class Int4Linear(_WeightOnly):
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is not None:
             fn, n = self.lib.ls_gemm_q4, self.out_features
-            return _int_gemm(fn, x, n, self.packed, self.d, self.m, planes=self.planes)
+            return _int_gemm(fn, x, n, self.planes, self.packed, self.d, self.m)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
 
     @property
@@ -251,9 +249,7 @@ class Int8Linear(_WeightOnly):
     for the drafter, whose rounding only shapes its proposals)."""
 
     def __init__(self, weight: torch.Tensor, planes: int = 2) -> None:
-        if planes not in (1, 2):
-            raise ValueError(f"planes must be 1 or 2, not {planes}")
-        self.planes = planes
+        self.planes = _planes(planes)
         w = weight.float()
         self.out_features, self.in_features = w.shape
         self.int_lib = native_q4_lib(weight.shape)
@@ -272,7 +268,7 @@ class Int8Linear(_WeightOnly):
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if self.int_lib is not None:
             fn = self.int_lib.ls_gemm_w8
-            return _int_gemm(fn, x, self.out_features, self.tiles, self.d, planes=self.planes)
+            return _int_gemm(fn, x, self.out_features, self.planes, self.tiles, self.d)
         if self.lib is not None:
             return native_gemm(self.lib, native.GEMM_INT8, x, self.q, self.scale)
         return torch._weight_int8pack_mm(x, self.q, self.scale)
@@ -306,15 +302,19 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def _int_gemm(
-    fn, x: torch.Tensor, n: int, *weights: torch.Tensor, planes: int | None = None
-) -> torch.Tensor:
+def _planes(planes: int) -> int:
+    """The activation planes of an integer GEMM (``csrc/q4.c``): 1 or 2."""
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 or 2, not {planes}")
+    return planes
+
+
+def _int_gemm(fn, x: torch.Tensor, n: int, planes: int, *weights: torch.Tensor) -> torch.Tensor:
     """``x`` ``[M, K]`` fp32 contiguous through one of ``csrc/q4.c``'s GEMMs (``fn``, with
-    its packed weight tensors; ``planes`` for the W8 one) -> ``[M, n]`` fp32."""
+    its activation ``planes`` and packed weight tensors) -> ``[M, n]`` fp32."""
     M, K = x.shape
     y = torch.empty(M, n, device="cpu")  # the C kernels: host memory only
-    tail = () if planes is None else (planes,)
-    if fn(x.data_ptr(), M, K, *(w.data_ptr() for w in weights), n, y.data_ptr(), *tail) != 0:
+    if fn(x.data_ptr(), M, K, *(w.data_ptr() for w in weights), n, y.data_ptr(), planes) != 0:
         raise MemoryError("native integer GEMM: out of memory")
     return y
 

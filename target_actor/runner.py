@@ -20,7 +20,13 @@ from target_actor.kv_cache import KVCache, KVCacheFull
 from target_actor.linear import WeightForm
 from target_actor.model import TargetModel
 from target_actor.parallel import TPContext
-from target_actor.weight_choice import DTYPES, check_form_names, check_kv_dtype, choose
+from target_actor.weight_choice import (
+    DTYPES,
+    check_form_names,
+    check_kv_dtype,
+    choose,
+    holds_q4_1_weights,
+)
 from target_actor.weights import CheckpointReader
 
 log = logging.getLogger("longspark.target")
@@ -61,49 +67,20 @@ class TargetSpec:
         if "auto" not in (self.dtype, self.quant):
             return self
         cfg = ModelConfig.from_pretrained(self.path, self.num_taps)
-        if self.quant == "auto" and self.device.startswith("cpu") and holds_q4_1_weights(self.path):
-            # a Q4_1 GGUF's own weights: int4 multiplies by them exactly (with the VNNI
-            # kernels' fp32 activations), where int8 would re-round them; faithful first
-            dtype = "float32" if self.dtype == "auto" else self.dtype
-            return dataclasses.replace(self, dtype=dtype, quant="int4")
-        choice = _choose(self.dtype, self.quant, _probe_shape(cfg, tp), self.device)
+        choice = _choose(self, _probe_shape(cfg, tp))
         name = str(choice.dtype).removeprefix("torch.")
         return dataclasses.replace(self, dtype=name, quant=choice.quant)
-
-
-def holds_q4_1_weights(path: str) -> bool:
-    """Whether the checkpoint's layer weights sit exactly on GGUF Q4_1 grids (a model
-    dequantised from a Q4_1 file, like the default one), checked on its first layer's
-    projections, and this host multiplies int4 by the C kernels (whose fp32 activations keep
-    those weights' products exact to ~3e-5; torch's int4 kernel rounds them to bf16)."""
-    from target_actor.linear import INT4_GROUP, native_q4_lib, quantize_q4_1
-    from target_actor.weights import CheckpointReader
-
-    names = [f"model.layers.0.{n}.weight" for n in ("self_attn.q_proj", "mlp.down_proj")]
-    reader = CheckpointReader(path)
-    try:
-        weights = [reader.get(n) for n in names if reader.has(n)]
-    finally:
-        reader.close()
-    if not weights:
-        return False
-    for w in weights:
-        if w.dim() != 2 or w.shape[1] % INT4_GROUP or native_q4_lib(tuple(w.shape)) is None:
-            return False
-        q, d, m = quantize_q4_1(w)
-        back = d.repeat_interleave(INT4_GROUP, 1) * q + m.repeat_interleave(INT4_GROUP, 1)
-        if not torch.equal(back, w.float()):
-            return False
-    return True
 
 
 def _probe_shape(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return (2 * cfg.intermediate_size // tp, cfg.hidden_size)
 
 
-def _choose(dtype: str, quant: str, shape: tuple[int, int], device: str):
+def _choose(spec: TargetSpec, shape: tuple[int, int]):
+    """``spec``'s form, ``auto`` resolved (a Q4_1 checkpoint's own grid first)."""
+    grid = spec.quant == "auto" and holds_q4_1_weights(spec.path)
     try:
-        return choose(dtype, quant, shape, torch.device(device).type)
+        return choose(spec.dtype, spec.quant, shape, torch.device(spec.device).type, grid)
     except ValueError as exc:
         raise TargetConfigError(str(exc)) from None
 
@@ -142,7 +119,7 @@ class TargetRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         shape = _probe_shape(self.cfg, self.tp.world)
-        choice = _choose(spec.dtype, spec.quant, shape, spec.device)
+        choice = _choose(spec, shape)
         dtype, self.quant, self.form_timings = choice.dtype, choice.quant, choice.timings_ms
         t0 = time.perf_counter()
         model = TargetModel(self.cfg, self.tp, dtype, self.device)

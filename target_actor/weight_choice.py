@@ -21,7 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from target_actor import native
-from target_actor.linear import EXACT_QUANTS, QUANTS, WeightForm, quant_kernels_available
+from target_actor.linear import (
+    EXACT_QUANTS,
+    INT4_GROUP,
+    QUANTS,
+    WeightForm,
+    native_q4_lib,
+    quant_kernels_available,
+    quantize_q4_1,
+)
+from target_actor.weights import CheckpointReader
 
 log = logging.getLogger("longspark.target")
 
@@ -68,6 +77,29 @@ def probe(shape: tuple[int, int], candidates: list[tuple[torch.dtype, str]]) -> 
     return result
 
 
+def holds_q4_1_weights(path: str) -> bool:
+    """Whether the checkpoint's layer weights sit exactly on GGUF Q4_1 grids (a model
+    dequantised from a Q4_1 file, like the default one), checked on its first layer's
+    projections, and this host multiplies int4 by the C kernels (whose fp32 activations keep
+    those weights' products exact to ~3e-5; torch's int4 kernel rounds them to bf16)."""
+    names = [f"model.layers.0.{n}.weight" for n in ("self_attn.q_proj", "mlp.down_proj")]
+    reader = CheckpointReader(path)
+    try:
+        weights = [reader.get(n) for n in names if reader.has(n)]
+    finally:
+        reader.close()
+    if not weights:
+        return False
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] % INT4_GROUP or native_q4_lib(tuple(w.shape)) is None:
+            return False
+        q, d, m = quantize_q4_1(w)
+        back = d.repeat_interleave(INT4_GROUP, 1) * q + m.repeat_interleave(INT4_GROUP, 1)
+        if not torch.equal(back, w.float()):
+            return False
+    return True
+
+
 def check_form_names(dtype: str, quant: str) -> None:
     """One-line ``ValueError`` for a ``--dtype`` / ``--quant`` name that is neither ``auto``
     nor known (the one check behind the CLI, the serving config and ``TargetSpec``)."""
@@ -86,15 +118,19 @@ def check_kv_dtype(kv_dtype: str) -> None:
         raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
 
 
-def choose(dtype: str, quant: str, shape: tuple[int, int], device: str = "cpu") -> Choice:
+def choose(
+    dtype: str, quant: str, shape: tuple[int, int], device: str = "cpu", q4_1_grid: bool = False
+) -> Choice:
     """Resolve ``auto`` in ``dtype`` / ``quant`` by measurement (see the module doc); on a
-    GPU without measuring: bf16 dense weights (its tensor cores' form).
+    GPU without measuring: bf16 dense weights (its tensor cores' form). ``q4_1_grid``: the
+    checkpoint holds a Q4_1 GGUF's own weights (``holds_q4_1_weights``), which int4
+    multiplies by exactly where int8 would re-round them: faithful first, no timing.
 
     Raises ``ValueError`` (one line) for an unknown name or a form this torch lacks.
     """
     check_form_names(dtype, quant)
     if device != "cpu":
-        if quant != "none" and quant != "auto":
+        if quant not in ("none", "auto"):
             raise ValueError(
                 f"--quant {quant} runs on the CPU kernels only; on {device} use --quant none"
             )
@@ -103,6 +139,8 @@ def choose(dtype: str, quant: str, shape: tuple[int, int], device: str = "cpu") 
         raise ValueError(f"this torch ({torch.__version__}) has no CPU {quant} weight kernels")
     if dtype != "auto" and quant != "auto":
         return Choice(DTYPES[dtype], quant, {})
+    if quant == "auto" and q4_1_grid:
+        return Choice(torch.float32 if dtype == "auto" else DTYPES[dtype], "int4", {})
     dtypes = [DTYPES[dtype]] if dtype != "auto" else [torch.float32, torch.bfloat16]
     quants = (
         [quant]

@@ -159,13 +159,15 @@ def _eos_bias(system: str) -> dict[str, Any]:
     return {"logit_bias": {str(i): -100 for i in ids if isinstance(i, int) and i >= 0}}
 
 
-async def _drive_pair(urls: dict[str, str], cfg: ServedPeersConfig) -> dict[str, Any]:
-    """Our two modes, both up, stage by stage in turns for ``cfg.repeats`` repeats:
-    per system, each stage's median repeat (by tokens/s) with every repeat's tokens/s and
-    TPOT p50; and per stage the paired spec / plain ratios."""
+async def _drive(
+    urls: dict[str, str], cfg: ServedPeersConfig, extra: dict[str, Any], repeats: int = 1
+) -> dict[str, Any]:
+    """The systems at ``urls`` (all up), stage by stage in turns for ``repeats`` repeats,
+    the order flipping each repeat: per system, each stage's median repeat (by tokens/s)
+    with every repeat's tokens/s and TPOT p50; with both of our modes, per stage the paired
+    spec / plain ratios (``paired_spec_over_plain``)."""
     import statistics
 
-    extra = {"ignore_eos": True}
     clients = {s: make_client(u) for s, u in urls.items()}
     model = (await next(iter(clients.values())).models.list()).data[0].id
     mix = [[{"role": "user", "content": p}] for p in mix_prompts(cfg.num_prompts, cfg.seed)]
@@ -173,7 +175,7 @@ async def _drive_pair(urls: dict[str, str], cfg: ServedPeersConfig) -> dict[str,
         await send_one(client, model, mix[0], 8, extra_body=extra)  # warm-up
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {s: {} for s in urls}
     order = list(urls)
-    for rep in range(cfg.repeats):
+    for rep in range(repeats):
         for c in cfg.concurrency:
             prompts = repeat_to(mix, max(cfg.num_prompts, c))
             for system in order if rep % 2 == 0 else order[::-1]:
@@ -216,22 +218,6 @@ async def _drive_pair(urls: dict[str, str], cfg: ServedPeersConfig) -> dict[str,
             )
         out["paired_spec_over_plain"] = paired
     return out
-
-
-async def _drive(url: str, cfg: ServedPeersConfig, extra: dict[str, Any]) -> list[dict[str, Any]]:
-    client = make_client(url)
-    model = (await client.models.list()).data[0].id
-    mix = [[{"role": "user", "content": p}] for p in mix_prompts(cfg.num_prompts, cfg.seed)]
-    await send_one(client, model, mix[0], 8, extra_body=extra)  # warm-up
-    rows = []
-    for c in cfg.concurrency:
-        prompts = repeat_to(mix, max(cfg.num_prompts, c))
-        records, wall = await run_level(client, model, prompts, c, cfg.max_tokens, extra_body=extra)
-        rows.append(
-            {"stage": f"C={c}", "concurrency": c, "value": c, **summarize_level(records, wall)}
-        )
-    await client.close()
-    return rows
 
 
 def _ratios(systems: dict[str, Any]) -> list[dict[str, Any]]:
@@ -319,14 +305,15 @@ def _served_over_in_process(
 
 
 def _run_pair(cfg: ServedPeersConfig, systems: dict[str, Any], skipped: dict[str, str]) -> Any:
-    """Both of our modes up at once, measured in turns (``_drive_pair``); the paired
+    """Both of our modes up at once, measured in turns (``_drive``); the paired
     spec / plain ratios, or None when a server did not start."""
     pair = ("longspark", "longspark_ar")
     t0 = time.monotonic()
     try:
         with _server(pair[0], cfg) as url_a, _server(pair[1], cfg) as url_b:
             ready_s = time.monotonic() - t0
-            result = asyncio.run(_drive_pair(dict(zip(pair, (url_a, url_b), strict=True)), cfg))
+            urls = dict(zip(pair, (url_a, url_b), strict=True))
+            result = asyncio.run(_drive(urls, cfg, {"ignore_eos": True}, cfg.repeats))
     except RuntimeError as exc:
         print(f"{'/'.join(pair)}: {exc}", file=sys.stderr)
         for system in pair:
@@ -360,7 +347,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
         try:
             with _server(system, cfg) as url:
                 ready_s = time.monotonic() - t0
-                stages = asyncio.run(_drive(url, cfg, extra))
+                stages = asyncio.run(_drive({system: url}, cfg, extra))[system]
         except RuntimeError as exc:
             print(f"{system}: {exc}", file=sys.stderr)
             skipped[system] = str(exc)

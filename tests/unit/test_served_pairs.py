@@ -55,7 +55,7 @@ def test_pairs_take_turns_and_report_the_median_repeat_and_paired_ratios(monkeyp
     monkeypatch.setattr(served_peers, "send_one", send_one)
     cfg = ServedPeersConfig(concurrency=[1, 8], num_prompts=2, repeats=3)
     urls = {"longspark": "http://a", "longspark_ar": "http://b"}
-    out = asyncio.run(served_peers._drive_pair(urls, cfg))
+    out = asyncio.run(served_peers._drive(urls, cfg, {"ignore_eos": True}, cfg.repeats))
 
     # stage by stage in turns, the order flipping every repeat
     assert calls == [

@@ -160,7 +160,7 @@ def test_auto_takes_int4_for_a_q4_1_checkpoint_without_timing(tmp_path, monkeypa
 
     from target_actor import weight_choice
     from target_actor.linear import native_q4_lib, quantize_q4_1
-    from target_actor.runner import holds_q4_1_weights
+    from target_actor.weight_choice import holds_q4_1_weights
     from tests.conftest import make_tiny_checkpoint
 
     if native_q4_lib((16, 32)) is None:
