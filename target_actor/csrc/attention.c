@@ -14,6 +14,7 @@
  * written into the cache here before attending. Threads: OpenMP (the same libgomp torch
  * loaded).
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -230,22 +231,27 @@ int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride
             }
     }
     /* one item per (row, KV head): its query heads run back to back over the same keys
-     * (from cache); a long context's single row goes parallel too */
-    const int64_t items = rows * kv_heads, scratch = (max_len > 0 ? max_len : 1) + 16 * d;
-#pragma omp parallel if (items > 8 || items * max_len > 4096)
+     * (from cache). Few rows (a decode step at low load) go one item per query head
+     * instead, so both cores share the step's cache reads; the order of operations per
+     * row and head is the same either way. */
+    const int split = rows * kv_heads < 4 * omp_get_max_threads() ? group : 1;
+    const int64_t items = rows * kv_heads * split, scratch = (max_len > 0 ? max_len : 1) + 16 * d;
+#pragma omp parallel if (items > 8 || items * max_len > 1024)
     {
         float *scores = malloc(sizeof(float) * (size_t)scratch);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            int64_t r = it / kv_heads, s = 0;
-            const int h = (int)(it % kv_heads);
+            const int64_t unit = it / split;
+            int64_t r = unit / kv_heads, s = 0;
+            const int h = (int)(unit % kv_heads);
             while (r >= nnew[s]) r -= nnew[s++]; /* r: the row within sequence s */
             const int64_t row = row0[s] + r, len = start[s] + r + 1;
             const int64_t kc = layer * 2 * kv_heads * cap[s] * d + (int64_t)h * cap[s] * d;
             const char *cache = (const char *)(intptr_t)base[s];
             const void *keys = cache + kc * esize;
             const void *values = cache + (kc + (int64_t)kv_heads * cap[s] * d) * esize;
-            for (int g = 0; g < group; g++) {
+            const int g0 = split > 1 ? (int)(it % split) : 0, g1 = split > 1 ? g0 + 1 : group;
+            for (int g = g0; g < g1; g++) {
                 const int64_t hq = (int64_t)h * group + g;
                 attend_row(q + row * q_stride + hq * d, out + row * (int64_t)heads * d + hq * d,
                            keys, values, bf, len, d, scale, scores, scores + scratch - 16 * d);

@@ -52,7 +52,8 @@
 
 #define QB 32      /* inputs per block */
 #define CH 16      /* channels per packed tile */
-#define RB 6       /* rows sharing one pass over a tile's weights (registers: 3 a row) */
+#define RB 8       /* rows sharing one pass over a tile's weights, at most */
+#define RB2 6      /* ... with two planes (registers: 3 a row, where one plane takes 2) */
 #define MCHUNK 120 /* rows per sweep over all tiles (their int8 planes stay in L2) */
 
 enum { Q4 = 0, W8 = 1 };
@@ -61,7 +62,7 @@ enum { Q4 = 0, W8 = 1 };
  * plane sums s1, s2 */
 typedef struct {
     int8_t *q1, *q2;
-    float *dx, *sx;
+    float *dx, *dx256, *sx; /* dx256 = dx / 256, exactly */
     int32_t *s1, *s2;
     int64_t K, nb;
 } Rows;
@@ -96,6 +97,7 @@ static void quantize_row(const float *x, const Rows *xs, int64_t r, int planes) 
         }
         const float dx = amax / 127.0f;
         xs->dx[r * nb + b] = dx;
+        xs->dx256[r * nb + b] = dx * (1.0f / 256.0f);
         xs->sx[r * nb + b] = dx * (1.0f / 256.0f) * (float)(256 * s1 + s2);
         xs->s1[r * nb + b] = s1;
         xs->s2[r * nb + b] = s2;
@@ -120,7 +122,6 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
                                                             int64_t r0, float *y, int64_t ldy) {
     const int64_t nb = x->nb, K = x->K;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512 inv256 = _mm512_set1_ps(1.0f / 256.0f);
     __m512 acc[RB];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -150,10 +151,17 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
         if (kind == Q4) {
             const __m512 mv = load_half(t->m + b * CH);
             for (int r = 0; r < R; r++) {
+                /* (d dx / 256) float(256 I1 + I2); with one plane I2 = 0 and, the factors
+                 * being powers of two (|256 I1| < 2^24), (d dx) float(I1) is the same float */
                 const int64_t at = (r0 + r) * nb + b;
-                const __m512i whole = _mm512_add_epi32(_mm512_slli_epi32(i1[r], 8), i2[r]);
-                const __m512 s = _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at])), inv256);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), s, acc[r]);
+                if (P == 2) {
+                    const __m512i whole = _mm512_add_epi32(_mm512_slli_epi32(i1[r], 8), i2[r]);
+                    const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), s, acc[r]);
+                } else {
+                    const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), s, acc[r]);
+                }
                 acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->sx[at]), acc[r]);
             }
         } else {
@@ -165,8 +173,8 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
                 if (P == 2) {
                     const __m512i d2 =
                         _mm512_sub_epi32(i2[r], _mm512_set1_epi32(128 * x->s2[at]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_mul_ps(s, inv256),
-                                             acc[r]);
+                    const __m512 s2 = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), s2, acc[r]);
                 }
             }
         }
@@ -180,15 +188,18 @@ static void tile(int kind, int planes, int rows, const Tile *t, const Rows *x, i
     case R: tile_rows(R, KIND, P, t, x, r0, y, ldy); break;
 #define ALL(KIND, P) \
     switch (rows) { ROWS(1, KIND, P) ROWS(2, KIND, P) ROWS(3, KIND, P) ROWS(4, KIND, P) ROWS(5, KIND, P) ROWS(6, KIND, P) }
+#define ALL8(KIND) \
+    switch (rows) { ROWS(1, KIND, 1) ROWS(2, KIND, 1) ROWS(3, KIND, 1) ROWS(4, KIND, 1) ROWS(5, KIND, 1) ROWS(6, KIND, 1) ROWS(7, KIND, 1) ROWS(8, KIND, 1) }
     if (kind == Q4 && planes == 2) {
         ALL(Q4, 2)
     } else if (kind == Q4) {
-        ALL(Q4, 1)
+        ALL8(Q4)
     } else if (planes == 2) {
         ALL(W8, 2)
     } else {
-        ALL(W8, 1)
+        ALL8(W8)
     }
+#undef ALL8
 #undef ALL
 #undef ROWS
 }
@@ -259,7 +270,7 @@ static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, cons
                 const uint16_t *d, const uint16_t *m, int64_t N, float *y) {
     const int64_t nb = K / QB, rows_max = M < MCHUNK ? M : MCHUNK;
     int8_t *buf = malloc((size_t)(2 * rows_max * K));
-    float *scales = malloc(sizeof(float) * (size_t)(2 * rows_max * nb));
+    float *scales = malloc(sizeof(float) * (size_t)(3 * rows_max * nb));
     int32_t *sums = malloc(sizeof(int32_t) * (size_t)(2 * rows_max * nb));
     if (buf == NULL || scales == NULL || sums == NULL) {
         free(buf);
@@ -267,8 +278,8 @@ static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, cons
         free(sums);
         return -1;
     }
-    const Rows xs = {buf, buf + rows_max * K, scales, scales + rows_max * nb,
-                     sums,   sums + rows_max * nb,  K,      nb};
+    const Rows xs = {buf,  buf + rows_max * K,  scales, scales + rows_max * nb,
+                     scales + 2 * rows_max * nb,  sums,   sums + rows_max * nb,  K, nb};
     const int64_t tile_bytes = kind == Q4 ? K / 2 * CH : K * CH;
     for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
         const int64_t rows = M - m0 < MCHUNK ? M - m0 : MCHUNK;
@@ -279,9 +290,13 @@ static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, cons
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N / CH; n++) {
                 const Tile t = {w + n * tile_bytes, d + n * nb * CH, m ? m + n * nb * CH : NULL};
-                for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-                    const int count = rows - r0 < RB ? (int)(rows - r0) : RB;
-                    tile(kind, planes, count, &t, &xs, r0, y + (m0 + r0) * N + n * CH, N);
+                /* passes of as even a size as the registers allow: 8 rows at two planes
+                 * as 4 + 4, not 6 + 2, whose short pass widens the weights again for little */
+                const int64_t most = planes == 2 ? RB2 : RB, passes = (rows + most - 1) / most;
+                for (int64_t p = 0, r0 = 0; p < passes; p++) {
+                    const int64_t count = (rows - r0) / (passes - p);
+                    tile(kind, planes, (int)count, &t, &xs, r0, y + (m0 + r0) * N + n * CH, N);
+                    r0 += count;
                 }
             }
         }
