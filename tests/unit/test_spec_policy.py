@@ -220,3 +220,16 @@ def test_a_probe_drafts_in_the_next_round_however_dear_drafting_is():
     policy.explore_next()  # a probe sequence joined
     assert policy.choose(4) == 7
     assert policy.choose(4) == 0
+
+
+def test_cost_per_sequence_is_told_apart_from_cost_per_row():
+    """A server whose batch grew: drafted rounds seen at 1 sequence, plain and drafted ones
+    at 8. Each sequence costs 2 ms (its K/V reads), each row 1 ms: at 8 sequences an 8-row
+    plain round costs 26 ms, not the 18 ms an 8-row block of one sequence does."""
+    cost = LinearCost()
+    truth = lambda rows, seqs: 0.008 + 0.001 * rows + 0.002 * seqs  # noqa: E731
+    for seqs, k in [(1, 7)] * 6 + [(8, 0), (8, 2), (4, 0), (8, 0)] * 3:
+        cost.observe(seqs * (k + 1), truth(seqs * (k + 1), seqs), seqs)
+    assert cost.slopes() == pytest.approx((0.001, 0.002), rel=1e-3)
+    assert cost.predict(24, 8) == pytest.approx(truth(24, 8), rel=1e-3)
+

@@ -91,7 +91,9 @@ class CopyPlanner:
         self.since_explore += 1
         if not candidates:
             return CopyPlan()
-        cost = verify.predict
+        def cost(rows: float) -> float:
+            return verify.predict(rows, batch)
+
         b = cost(batch + 1) - cost(batch)  # seconds per extra row (0 until rows varied)
         chosen: list[CopyCandidate] = []
         for _ in range(4):

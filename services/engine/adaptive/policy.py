@@ -7,13 +7,13 @@ to k+1 times a plain step, so drafting loses unless acceptance is high. vLLM and
 leave this to the user (a fixed ``k``, or "disable speculation above batch size N"); here
 the engine measures both sides and picks, every round,
 
-    k* = argmax_{0 <= k <= k_max}  B * E[tokens | k] / (draft_s(B, k) + verify_s(B * (k+1)))
+    k* = argmax_{0 <= k <= k_max}  B * E[tokens | k] / (draft_s(B, k) + verify_s(B, B * (k+1)))
 
 with ``E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} alpha_j`` from the per-position
 acceptance rates ``alpha_j`` seen so far (DSpark's view of the block: each position is
 accepted only if every earlier one was), and both costs from linear models fitted online
-to the measured rounds (``seconds ~ a + b * rows``, exponentially forgotten so they follow
-load and context changes). ``k = 0`` is a round without the network: plain decoding,
+to the measured rounds (``seconds ~ a + b * rows + c * seqs``, exponentially forgotten so
+they follow load and context changes). ``k = 0`` is a round without the network: plain decoding,
 except that the engine drafts context copies there where they pay (``services.engine.adaptive.copies``),
 so its ``E[tokens | 0]`` and rows per sequence come from that round's copy plan. By default ``k`` is
 either 0 or ``k_max`` (``all_or_nothing``; ``_choices`` says why). The policy never changes
@@ -41,19 +41,35 @@ from dataclasses import dataclass, field
 
 @dataclass
 class LinearCost:
-    """``seconds ~ a + b * rows``, least squares with exponential forgetting."""
+    """``seconds ~ a + b * rows + c * seqs``, least squares with exponential forgetting.
+
+    ``seqs``, the sequences in the forward, matters apart from ``rows``: 8 decode rows of
+    8 sequences read 8 contexts' K/V (and sample 8 times) where an 8-row verify block of
+    one sequence reads one, and cost ~2x as much. Fitted on rows alone, a server whose
+    batch grew from 1 to 8 (its drafted rounds at 1, plain ones at 8) learnt a flat line
+    and drafted at 8 where it lost. Where ``seqs`` has not varied apart from ``rows``
+    (one batch size, one draft length), the line is fitted on ``rows`` alone."""
 
     decay: float = 0.97
     n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
+    sx: float = 0.0  # rows
+    sz: float = 0.0  # seqs
+    sy: float = 0.0  # seconds
     sxx: float = 0.0
+    szz: float = 0.0
+    sxz: float = 0.0
     sxy: float = 0.0
+    szy: float = 0.0
 
-    def observe(self, rows: float, seconds: float) -> None:
+    def observe(self, rows: float, seconds: float, seqs: float = 1.0) -> None:
         d = self.decay
-        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
-        self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+        self.n, self.sx, self.sz, self.sy = (
+            d * self.n + 1, d * self.sx + rows, d * self.sz + seqs, d * self.sy + seconds,
+        )  # fmt: skip
+        self.sxx, self.szz, self.sxz = (
+            d * self.sxx + rows * rows, d * self.szz + seqs * seqs, d * self.sxz + rows * seqs,
+        )  # fmt: skip
+        self.sxy, self.szy = d * self.sxy + rows * seconds, d * self.szy + seqs * seconds
 
     @property
     def known(self) -> bool:
@@ -68,17 +84,34 @@ class LinearCost:
         """Standard deviation of the observed row counts (0: one row count, no slope yet)."""
         return max(0.0, self._variance()) ** 0.5 if self.n > 0 else 0.0
 
-    def predict(self, rows: float) -> float:
-        """Seconds for ``rows``; a flat cost until two different row counts were seen."""
+    def slopes(self) -> tuple[float, float]:
+        """``(b, c)``: seconds per row and per sequence, neither negative."""
+        n = self.n
+        mx, mz, my = self.sx / n, self.sz / n, self.sy / n
+        vxx, vzz = self.sxx / n - mx * mx, self.szz / n - mz * mz
+        vxz = self.sxz / n - mx * mz
+        cxy, czy = self.sxy / n - mx * my, self.szy / n - mz * my
+        tiny = 1e-9 * max(1.0, mx * mx)
+        if vxx <= tiny:
+            return 0.0, 0.0  # one row count: a flat cost
+        det = vxx * vzz - vxz * vxz
+        if det > 0.02 * vxx * vzz:  # rows and seqs varied apart: fit both
+            b, c = (cxy * vzz - czy * vxz) / det, (czy * vxx - cxy * vxz) / det
+            if b >= 0 and c >= 0:
+                return b, c
+            if b < 0 and vzz > tiny:  # never cheaper for more rows: seqs alone
+                return 0.0, max(0.0, czy / vzz)
+        return max(0.0, cxy / vxx), 0.0  # rows alone
+
+    def predict(self, rows: float, seqs: float = 1.0) -> float:
+        """Seconds for ``rows`` of ``seqs`` sequences; a flat cost until two different row
+        counts were seen."""
         if self.n <= 0:
             return 0.0
-        mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        var = self._variance()
-        if var <= 1e-9 * max(1.0, mean_x * mean_x):
-            return mean_y
-        b = max(0.0, (self.sxy / self.n - mean_x * mean_y) / var)  # never cheaper for more rows
-        a = max(0.0, mean_y - b * mean_x)
-        return a + b * rows
+        b, c = self.slopes()
+        mx, mz, my = self.sx / self.n, self.sz / self.n, self.sy / self.n
+        a = max(0.0, my - b * mx - c * mz)
+        return a + b * rows + c * seqs
 
 
 @dataclass
@@ -174,8 +207,9 @@ class SpecPolicy:
 
     def round_seconds(self, batch: int, k: int) -> float:
         if not k:
-            return self.plain_cost().predict(batch * self.plain_rows)
-        return self.draft.predict(batch * (k + 1)) + self.verify.predict(batch * (k + 1))
+            return self.plain_cost().predict(batch * self.plain_rows, batch)
+        rows = batch * (k + 1)
+        return self.draft.predict(rows, batch) + self.verify.predict(rows, batch)
 
     # -- the decision ---------------------------------------------------------------------
     def choose(self, batch: int) -> int:
@@ -237,13 +271,13 @@ class SpecPolicy:
     ) -> None:
         """One finished round: per-sequence drafts and accepted counts, and its timings.
         ``network=False``: a round without the drafter's network (any drafts were copies)."""
-        rows = sum(n + 1 for n in num_draft)
-        self.verify.observe(rows, verify_s)
+        rows, seqs = sum(n + 1 for n in num_draft), len(num_draft)
+        self.verify.observe(rows, verify_s, seqs)
         if not network:
-            self.plain_verify.observe(rows, verify_s)
+            self.plain_verify.observe(rows, verify_s, seqs)
             return
         if any(num_draft):
-            self.draft.observe(rows, draft_s)
+            self.draft.observe(rows, draft_s, seqs)
         for n, m in zip(num_draft, num_accepted, strict=True):
             self.accepted.observe(n, m)
 
