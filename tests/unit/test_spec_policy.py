@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -233,3 +234,26 @@ def test_cost_per_sequence_is_told_apart_from_cost_per_row():
     assert cost.slopes() == pytest.approx((0.001, 0.002), rel=1e-3)
     assert cost.predict(24, 8) == pytest.approx(truth(24, 8), rel=1e-3)
 
+
+
+def misled_policy(realized_min: float) -> list[int]:
+    """The k chosen at C=8 by a policy whose verify line still remembers an era in which
+    rows cost next to nothing (so it prices drafting as cheap), while every row now costs
+    4 ms: a drafted round (2 of 7 accepted) commits ~81 tokens/s, a plain one ~129."""
+    policy = SpecPolicy(k_max=7, explore_every=8, explore_budget=1.0, realized_min=realized_min)
+    policy.verify = LinearCost(decay=0.999)
+    for _ in range(300):
+        policy.verify.observe(1, 0.010)
+        policy.verify.observe(8, 0.0101)
+    verify = lambda rows: 0.030 + 0.004 * rows  # noqa: E731
+    chosen = []
+    for _ in range(80):
+        k = policy.choose(8)
+        chosen.append(k)
+        feed(policy, 8, k, accepted=2, verify=verify, draft=lambda rows: 0.010)
+    return chosen[-40:]
+
+
+def test_drafting_that_realized_less_than_plain_rounds_stops_though_the_model_disagrees():
+    assert misled_policy(realized_min=2).count(0) >= 30  # plain, but for explorations
+    assert misled_policy(realized_min=math.inf).count(0) <= 10  # the model alone drafts

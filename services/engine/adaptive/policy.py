@@ -19,6 +19,10 @@ so its ``E[tokens | 0]`` and rows per sequence come from that round's copy plan.
 either 0 or ``k_max`` (``all_or_nothing``; ``_choices`` says why). The policy never changes
 what is generated, only how fast: verification stays lossless for any ``k``.
 
+The models are checked against what rounds really commit: where rounds with the network
+have lately committed fewer tokens a second than rounds without it at the same batch size,
+the round goes plain whatever the lines say (``_drafting_lost``).
+
 It explores a little so its estimates stay fresh: every ``explore_every`` rounds it runs
 the alternative (one full-length draft while speculation is off, one plain round while it
 is on), so a drop in acceptance or a change in cost is noticed within a few dozen rounds.
@@ -158,6 +162,28 @@ class Acceptance:
 
 
 @dataclass
+class RealizedRate:
+    """Tokens committed per second by one kind of round, exponentially forgotten."""
+
+    decay: float = 0.9
+    n: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        d = self.decay
+        self.n, self.tokens, self.seconds = (
+            d * self.n + 1,
+            d * self.tokens + tokens,
+            d * self.seconds + seconds,
+        )
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
 class SpecPolicy:
     """Chooses each round's draft length from measured acceptance and costs."""
 
@@ -180,6 +206,10 @@ class SpecPolicy:
     since_other: float = 0  # rounds since the mode not chosen last was tried
     last_k: int = -1
     plain_streak: int = 0  # rounds in a row whose best k (exploration aside) was 0
+    # what rounds with and without the network really committed per second, per batch
+    # size: the check on the models (see ``_drafting_lost``)
+    realized: dict[tuple[bool, int], RealizedRate] = field(default_factory=dict)
+    realized_min: float = 2.0  # rounds of each kind seen at a batch size before it counts
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -223,6 +253,8 @@ class SpecPolicy:
             k = 0
         else:
             k = max(self._choices(), key=lambda k: self._rate(batch, k))
+            if k and self._drafting_lost(batch):
+                k = 0
             self.plain_streak = self.plain_streak + 1 if k == 0 else 0
             other = 0 if k else self.k_max
             if self.since_other >= self._explore_interval(batch, k, other):
@@ -238,6 +270,18 @@ class SpecPolicy:
         only plain or a full block is chosen (docs/experiments/performance.md has the
         measurements)."""
         return (0, self.k_max) if self.all_or_nothing else range(self.k_max + 1)
+
+    def _drafting_lost(self, batch: int) -> bool:
+        """Whether rounds with the network have lately committed fewer tokens a second than
+        rounds without it, at this batch size. The models price a round from lines fitted
+        across batch sizes and draft lengths, and a batch that grew (a server ramping from
+        1 to 8 requests) or a plain option that changed (context copies) can leave them
+        wrong for a few hundred rounds; the realized rates cannot be. Exploration keeps
+        both fresh."""
+        net, plain = self.realized.get((True, batch)), self.realized.get((False, batch))
+        if net is None or plain is None or min(net.n, plain.n) < self.realized_min:
+            return False
+        return net.rate < plain.rate
 
     @property
     def idle(self) -> bool:
@@ -272,6 +316,9 @@ class SpecPolicy:
         """One finished round: per-sequence drafts and accepted counts, and its timings.
         ``network=False``: a round without the drafter's network (any drafts were copies)."""
         rows, seqs = sum(n + 1 for n in num_draft), len(num_draft)
+        committed = seqs + sum(num_accepted)  # each sequence's accepted drafts and one more
+        kind = (network and any(num_draft), seqs)
+        self.realized.setdefault(kind, RealizedRate()).observe(committed, draft_s + verify_s)
         self.verify.observe(rows, verify_s, seqs)
         if not network:
             self.plain_verify.observe(rows, verify_s, seqs)
@@ -282,4 +329,4 @@ class SpecPolicy:
             self.accepted.observe(n, m)
 
 
-__all__ = ["Acceptance", "LinearCost", "SpecPolicy"]
+__all__ = ["Acceptance", "LinearCost", "RealizedRate", "SpecPolicy"]
