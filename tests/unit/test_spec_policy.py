@@ -235,7 +235,6 @@ def test_cost_per_sequence_is_told_apart_from_cost_per_row():
     assert cost.predict(24, 8) == pytest.approx(truth(24, 8), rel=1e-3)
 
 
-
 def misled_policy(realized_min: float) -> list[int]:
     """The k chosen at C=8 by a policy whose verify line still remembers an era in which
     rows cost next to nothing (so it prices drafting as cheap), while every row now costs

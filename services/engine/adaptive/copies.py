@@ -91,6 +91,7 @@ class CopyPlanner:
         self.since_explore += 1
         if not candidates:
             return CopyPlan()
+
         def cost(rows: float) -> float:
             return verify.predict(rows, batch)
 
