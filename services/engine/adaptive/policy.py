@@ -276,8 +276,8 @@ class SpecPolicy:
         rounds without it, at this batch size. The models price a round from lines fitted
         across batch sizes and draft lengths, and a batch that grew (a server ramping from
         1 to 8 requests) or a plain option that changed (context copies) can leave them
-        wrong for a few hundred rounds; the realized rates cannot be. Exploration keeps
-        both fresh."""
+        wrong for a few hundred rounds, while the realized rates are what the rounds did.
+        Exploration keeps both fresh."""
         net, plain = self.realized.get((True, batch)), self.realized.get((False, batch))
         if net is None or plain is None or min(net.n, plain.n) < self.realized_min:
             return False
