@@ -24,6 +24,7 @@ from target_actor.weight_choice import (
     DTYPES,
     check_form_names,
     check_kv_dtype,
+    check_quant_device,
     choose,
     holds_q4_1_weights,
 )
@@ -51,13 +52,9 @@ class TargetSpec:
         try:
             check_form_names(self.dtype, self.quant)
             check_kv_dtype(self.kv_dtype)
+            check_quant_device(self.quant, self.device)
         except ValueError as exc:
             raise TargetConfigError(str(exc)) from None
-        if self.quant not in ("none", "auto") and not self.device.startswith("cpu"):
-            raise TargetConfigError(
-                f"--quant {self.quant} runs on the CPU kernels only; on {self.device} use"
-                " --quant none"
-            )
         if self.kv_cache_tokens < 16:
             raise TargetConfigError("kv_cache_tokens must be at least 16")
 

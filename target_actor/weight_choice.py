@@ -112,6 +112,15 @@ def check_form_names(dtype: str, quant: str) -> None:
 KV_DTYPES = ("auto", "float32", "bfloat16")
 
 
+def check_quant_device(quant: str, device: str) -> None:
+    """One-line ``ValueError`` for a quantized form on a device other than the CPU (its
+    kernels are host code)."""
+    if quant not in ("none", "auto") and not device.startswith("cpu"):
+        raise ValueError(
+            f"--quant {quant} runs on the CPU kernels only; on {device} use --quant none"
+        )
+
+
 def check_kv_dtype(kv_dtype: str) -> None:
     """One-line ``ValueError`` for a ``--kv-dtype`` other than auto, float32, bfloat16."""
     if kv_dtype not in KV_DTYPES:
@@ -129,11 +138,8 @@ def choose(
     Raises ``ValueError`` (one line) for an unknown name or a form this torch lacks.
     """
     check_form_names(dtype, quant)
+    check_quant_device(quant, device)
     if device != "cpu":
-        if quant not in ("none", "auto"):
-            raise ValueError(
-                f"--quant {quant} runs on the CPU kernels only; on {device} use --quant none"
-            )
         return Choice(torch.bfloat16 if dtype == "auto" else DTYPES[dtype], "none", {})
     if quant not in ("none", "auto") and not quant_kernels_available():
         raise ValueError(f"this torch ({torch.__version__}) has no CPU {quant} weight kernels")

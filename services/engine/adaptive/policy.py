@@ -92,7 +92,7 @@ class LinearCost:
         """``(b, c)``: seconds per row and per sequence, neither negative."""
         n = self.n
         mx, mz, my = self.sx / n, self.sz / n, self.sy / n
-        vxx, vzz = self.sxx / n - mx * mx, self.szz / n - mz * mz
+        vxx, vzz = self._variance(), self.szz / n - mz * mz
         vxz = self.sxz / n - mx * mz
         cxy, czy = self.sxy / n - mx * my, self.szy / n - mz * my
         tiny = 1e-9 * max(1.0, mx * mx)
