@@ -58,6 +58,9 @@ class _Request(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(None, description="extension: generate past EOS")
+    stream_interval: int | None = Field(
+        None, description="extension: stream every N tokens (at least the server's interval)"
+    )
     return_token_ids: bool | None = Field(
         None, description="extension: the generated token ids in `longspark.token_ids`"
     )
@@ -162,6 +165,7 @@ class _Request(BaseModel):
             prompt_logprobs=self.num_prompt_logprobs(),
             grammar=grammar,
             grammar_field=grammar_field,
+            stream_interval=self.stream_interval,
         )
 
     def grammar(self) -> tuple[str | None, str]:

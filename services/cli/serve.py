@@ -50,6 +50,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="largest max_tokens a request may ask for (default: 4096)",
     )
+    http.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=None,
+        help="stream every N tokens; the first goes at once (default: 1, every token)",
+    )
     http.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     model = p.add_argument_group("model and engine")
     model.add_argument("--target", default=None, help="local HF folder (default: SmolLM2-135M)")

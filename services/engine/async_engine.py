@@ -107,19 +107,43 @@ def encode_request(tok: Tokenizer, req: GenerateRequest) -> list[int]:
 
 
 class RequestStream:
-    """One request's outputs, put by the engine thread and read by its asyncio task."""
+    """One request's outputs, put by the engine thread and read by its asyncio task.
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id, self.loop = request_id, loop
+    ``interval`` (vLLM's ``stream_interval``): after the first delta, deltas are held and
+    sent merged once they carry ``interval`` tokens, or when the request ends. Each delta
+    sent costs a wake-up of the reader's loop and a message through the server; on a host
+    whose cores run the forward, fewer of them leave the forward more of the CPU."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, interval: int = 1) -> None:
+        self.request_id, self.loop, self.interval = request_id, loop, interval
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.closed = False  # set once the stream ended (finished, failed or abandoned)
+        self._held: RequestOutput | None = None  # deltas not sent yet (engine thread)
+        self._sent = False  # the first delta went out
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Engine thread: hand ``item`` to the reader's loop (dropped once closed)."""
+        """Engine thread: hand ``item`` to the reader's loop (dropped once closed). A
+        failure first sends what was held, so the reader has every token made before it."""
         if self.closed:
             return
-        if isinstance(item, BaseException) or item.finished:
+        if isinstance(item, BaseException):
             self.closed = True
+            if self._held is not None:
+                self._send(self._held)
+                self._held = None
+            self._send(item)
+            return
+        if self._held is not None:
+            item, self._held = merge_deltas(self._held, item), None
+        if item.finished:
+            self.closed = True
+        elif self._sent and len(item.new_token_ids) < self.interval:
+            self._held = item
+            return
+        self._sent = True
+        self._send(item)
+
+    def _send(self, item: RequestOutput | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the reader's loop is gone
@@ -165,8 +189,10 @@ class AsyncEngine:
         engine: Engine,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
         limits: EngineLimits | None = None,
+        stream_interval: int = 1,
     ):
         self.engine = engine
+        self.stream_interval = stream_interval  # a request may ask for more, not fewer
         self.tok: Tokenizer = engine.tok
         self.limits = limits or EngineLimits()
         self._extra_stats = extra_stats
@@ -194,7 +220,8 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 - returned to that request alone
                 results.append(exc)
                 continue
-            stream = RequestStream(req.request_id, loop)
+            interval = max(self.stream_interval, req.params.stream_interval or 1)
+            stream = RequestStream(req.request_id, loop, interval)
             batch.append((ids, req, stream))
             results.append(stream)
         if batch:

@@ -58,6 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     grammar: str | None = None  # llguidance grammar (services.engine.structured)
     grammar_field: str = "response_format"  # the request field it came from (errors)
+    stream_interval: int | None = None  # stream every N tokens at least (None: the server's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -103,6 +104,13 @@ class SamplingParams:
             }
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be token ids", "stop_token_ids")
+        if self.stream_interval is not None and (
+            not isinstance(self.stream_interval, int) or self.stream_interval < 1
+        ):
+            raise InvalidRequest(
+                f"stream_interval must be at least 1, got {self.stream_interval}",
+                "stream_interval",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

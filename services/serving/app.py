@@ -89,7 +89,12 @@ class EngineReplica:
             max_waiting=self.args.max_waiting_seqs,
             queue_timeout_s=self.args.queue_timeout_s,
         )
-        self.engine = AsyncEngine(engine, extra_stats=self._replica_stats, limits=limits)
+        self.engine = AsyncEngine(
+            engine,
+            extra_stats=self._replica_stats,
+            limits=limits,
+            stream_interval=self.args.stream_interval,
+        )
         self._admit.set_max_batch_size(self.args.admit_batch_size)
         self._admit.set_batch_wait_timeout_s(self.args.admit_batch_wait_s)
         self.metrics = EngineMetrics(self.args.model_name or "")

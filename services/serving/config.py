@@ -96,6 +96,12 @@ class ServeArgs(EngineOptions):
         " per token) or in its own deployment of ingress_replicas",
     )
     ingress_replicas: int = Field(1, ge=1, description="FastAPI ingress replicas (separate)")
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="stream every N tokens (vLLM's --stream-interval): 1 sends each token as"
+        " it comes; more cost the server fewer messages (the first token goes at once)",
+    )
     admit_batch_size: int = Field(16, ge=1, description="@serve.batch: requests per admission")
     admit_batch_wait_s: float = Field(
         0.002, ge=0, description="@serve.batch: how long an admission batch waits to fill"

@@ -48,6 +48,7 @@ OVERRIDES = {
     "cors_origin": "cors_origins",
     "grace_period": "shutdown_grace_s",
     "max_tokens_limit": "max_tokens_limit",
+    "stream_interval": "stream_interval",
     "generation_config": "generation_config",
 }
 

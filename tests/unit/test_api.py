@@ -188,6 +188,12 @@ BAD = [
         "min_tokens",
         None,
     ),
+    (
+        json.dumps({"model": MODEL, "prompt": "x", "stream": True, "stream_interval": 0}),
+        400,
+        "stream_interval",
+        None,
+    ),
     (json.dumps({"model": MODEL}), 400, "prompt", None),
     (json.dumps({"model": "gpt-4", "prompt": "x"}), 404, "model", "model_not_found"),
     (json.dumps({"model": MODEL, "prompt": "word " * 400}), 400, None, "context_length_exceeded"),
@@ -473,3 +479,66 @@ def test_deltas_queued_while_the_reader_was_busy_go_out_merged():
     assert [d.new_token_ids for d in got] == [[0, 1, 2], [3, 4]]
     assert "".join(d.new_text for d in got) == "t0t1t2t3t4"
     assert got[-1].finished and got[-1].finish_reason == "length"
+
+
+def test_a_stream_interval_holds_deltas_until_that_many_tokens_then_flushes_on_the_end():
+    """vLLM's stream_interval: the first delta goes at once, then merged deltas of at least
+    ``interval`` tokens; the last goes when the request finishes, and a failure first
+    flushes what was held. Joined, the tokens and text are exactly what the engine put."""
+    from services.engine.async_engine import RequestStream
+    from services.engine.sequence import RequestOutput
+
+    def outs(n: int, finish: bool) -> list[RequestOutput]:
+        items = [RequestOutput("r", [i], f"t{i}", False, text="", token_ids=[]) for i in range(n)]
+        if finish:
+            items[-1] = RequestOutput("r", [n - 1], f"t{n - 1}", True, "length", "", [])
+        return items
+
+    async def go(items, interval, error=None):
+        stream = RequestStream("r", asyncio.get_running_loop(), interval)
+        for item in items:
+            stream.put(item)
+        if error is not None:
+            stream.put(error)
+        await asyncio.sleep(0)  # the loop runs the engine thread's call_soon_threadsafe
+        got = []
+        while not stream.queue.empty():
+            got.append(stream.queue.get_nowait())
+        return got
+
+    got = run(go(outs(9, finish=True), 3))
+    assert [d.new_token_ids for d in got] == [[0], [1, 2, 3], [4, 5, 6], [7, 8]]
+    assert "".join(d.new_text for d in got) == "".join(f"t{i}" for i in range(9))
+    assert got[-1].finished and not any(d.finished for d in got[:-1])
+
+    boom = RequestFailed("the round failed")
+    got = run(go(outs(3, finish=False), 4, error=boom))
+    assert [d.new_token_ids for d in got[:-1]] == [[0], [1, 2]] and got[-1] is boom
+
+    got = run(go(outs(5, finish=True), 1))
+    assert [d.new_token_ids for d in got] == [[i] for i in range(5)]
+
+
+def test_a_request_streaming_every_n_tokens_gets_the_same_text_in_fewer_chunks(engine, plain):
+    """Over HTTP, ``stream_interval`` (a request may ask for more than the server's) keeps
+    the output exactly plain decoding's while each chunk after the first carries at least
+    that many tokens."""
+    app = make_app(engine)
+    prompt, n, interval = "Once upon a time", 40, 4
+
+    async def go():
+        client = openai_client(app)
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "stream_interval": interval},
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = [c for c in run(go()) if c.choices and c.choices[0].text]
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == engine.tok.decode(plain_tokens(plain, engine.tok.encode(prompt), n))
+    assert len(chunks) <= 1 + -(-(n - 1) // interval), len(chunks)

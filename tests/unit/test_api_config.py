@@ -103,10 +103,12 @@ def test_cli_defaults_come_from_local_cpu_yaml_and_options_override():
     assert DEFAULT_CONFIG == DEPLOY / "local-cpu.yaml"
     args = build_parser().parse_args(
         ["serve", "--port", "9001", "--tp", "3", "--drafter", "random", "--max-replicas", "2"]
+        + ["--stream-interval", "4"]
     )
     app, host, port = settings_from(args)
     assert port == 9001 and app["tp"] == 3 and app["drafter"] == "random"
-    assert app["max_replicas"] == 2 and app["mode"] == "spec"
+    assert app["max_replicas"] == 2 and app["mode"] == "spec" and app["stream_interval"] == 4
+    assert ServeArgs.model_validate(app).stream_interval == 4
 
 
 def test_serve_args_resolution(tiny_checkpoints, monkeypatch):
