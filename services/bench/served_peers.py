@@ -10,6 +10,9 @@ another (never two at once on the same cores), and driven by the same streaming 
 * ``llamacpp``: llama-cpp-python's server from ``.venv-llama`` on the original Q4_1 GGUF
   (one request at a time: the others queue).
 
+``stream_interval`` (vLLM's setting, default 1: every token its own chunk) goes to our
+servers and vLLM's; llama.cpp's server streams every token.
+
 Equal work: every request asks for ``max_tokens`` tokens with EOS ignored (``ignore_eos``;
 llama.cpp's server has no such field, so its EOS tokens get a ``logit_bias`` of -100).
 With ``repeats`` > 1 our two modes are measured in pairs: both servers stay up and take
@@ -61,6 +64,7 @@ class ServedPeersConfig:
     vllm_dtype: str = "float32"
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     repeats: int = 1  # > 1: our two modes measured in interleaved pairs (module docstring)
+    stream_interval: int = 1  # ours and vLLM's: stream every N tokens (llama.cpp: always 1)
     log_dir: Path | None = None  # servers' logs; default $LONGSPARK_HOME/logs
 
 
@@ -78,6 +82,7 @@ def _command(system: str, cfg: ServedPeersConfig, port: int) -> tuple[list[str],
         exe = str(Path(sys.executable).with_name("longspark"))
         mode = "ar" if system == "longspark_ar" else "spec"
         cmd = [exe, "serve", "--port", str(port), "--mode", mode, "--no-dashboard"]
+        cmd += ["--stream-interval", str(cfg.stream_interval)]
         return [*cmd, "--dtype", cfg.dtype, "--quant", cfg.quant], env
     if system == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -85,7 +90,7 @@ def _command(system: str, cfg: ServedPeersConfig, port: int) -> tuple[list[str],
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port)]
         cmd += ["--model", str(fetch_default_model()), "--dtype", cfg.vllm_dtype]
         cmd += ["--max-num-seqs", str(max(cfg.concurrency)), "--max-model-len", "4096"]
-        return cmd, env
+        return [*cmd, "--stream-interval", str(cfg.stream_interval)], env
     if system == "llamacpp":
         python = str(cfg.llama_venv / "bin" / "python")
         cmd = [python, "-m", "llama_cpp.server", "--port", str(port), "--host", "127.0.0.1"]
@@ -372,6 +377,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
         "settings": {
             "concurrency": cfg.concurrency,
             "repeats": cfg.repeats,
+            "stream_interval": cfg.stream_interval,
             "max_tokens": cfg.max_tokens,
             "num_prompts": cfg.num_prompts,
             "ours": {"dtype": cfg.dtype, "quant": cfg.quant},

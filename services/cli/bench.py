@@ -149,6 +149,12 @@ def _add_serving_benchmarks(bench_sub: Any) -> None:
     pe.add_argument("--llama-venv", default=".venv-llama", help="--served: llama-cpp-python")
     pe.add_argument("--plot", default=None, help="--served: write a PNG of the results here")
     pe.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="--served: our servers and vLLM's stream every N tokens (llama.cpp's: every one)",
+    )
+    pe.add_argument(
         "--repeats",
         type=positive_int,
         default=1,
@@ -286,6 +292,7 @@ def _served_peers(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         quant=args.quant,
         repeats=args.repeats,
+        stream_interval=args.stream_interval,
     )
     return run_served_peers(cfg)
 

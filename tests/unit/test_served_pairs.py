@@ -69,3 +69,10 @@ def test_pairs_take_turns_and_report_the_median_repeat_and_paired_ratios(monkeyp
     assert out["paired_spec_over_plain"][0] == {
         "stage": "C=1", "ratios": [1.2, 0.6, 1.1], "median": 1.1,
     }  # fmt: skip
+
+
+def test_the_stream_interval_reaches_our_servers_and_vllms():
+    cfg = ServedPeersConfig(concurrency=[1], stream_interval=8)
+    for system in ("longspark", "longspark_ar", "vllm"):
+        cmd, _ = served_peers._command(system, cfg, 8123)
+        assert cmd[cmd.index("--stream-interval") + 1] == "8", system
