@@ -289,9 +289,11 @@ def _in_process(cfg: ServedPeersConfig, system: str) -> dict[str, Any]:
 
 
 def _served_over_in_process(
-    systems: dict[str, Any], in_process: dict[str, Any]
+    systems: dict[str, Any], in_process: dict[str, Any], paired: bool = False
 ) -> list[dict[str, Any]]:
-    """Served TPOT p50 at C=1 over in-process TPOT p50, for each of our modes."""
+    """Served TPOT p50 at C=1 over in-process TPOT p50, for each of our modes.
+    ``paired``: both of our servers were up (``repeats`` > 1), the idle one's processes
+    beside the measured one's forward, which a single server does not pay."""
     out = []
     for system, ref in in_process.items():
         stage = next((s for s in systems[system]["stages"] if s["concurrency"] == 1), None)
@@ -304,6 +306,7 @@ def _served_over_in_process(
                 "served_tpot_ms": served,
                 "in_process_tpot_ms": local,
                 "ratio": round(served / local, 3) if served and local else None,
+                "both_servers_up": paired,
             }
         )
     return out
@@ -389,7 +392,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
         "ratios": _ratios(systems),
         "paired_spec_over_plain": paired,
         "in_process": in_process,
-        "served_over_in_process_tpot": _served_over_in_process(systems, in_process),
+        "served_over_in_process_tpot": _served_over_in_process(systems, in_process, pair),
         "problems": failed,
         "ok": not failed,
     }
