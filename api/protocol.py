@@ -59,7 +59,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = Field(None, description="extension: generate past EOS")
     stream_interval: int | None = Field(
-        None, description="extension: stream every N tokens (at least the server's interval)"
+        None, ge=1, description="extension: stream every N tokens (at least the server's interval)"
     )
     return_token_ids: bool | None = Field(
         None, description="extension: the generated token ids in `longspark.token_ids`"
