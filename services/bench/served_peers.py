@@ -65,6 +65,7 @@ class ServedPeersConfig:
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     repeats: int = 1  # > 1: our two modes measured in interleaved pairs (module docstring)
     stream_interval: int = 1  # ours and vLLM's: stream every N tokens (llama.cpp: always 1)
+    target_process: str = "actors"  # ours: the rank in Ray actors, or in the replica (tp 1)
     log_dir: Path | None = None  # servers' logs; default $LONGSPARK_HOME/logs
 
 
@@ -83,6 +84,7 @@ def _command(system: str, cfg: ServedPeersConfig, port: int) -> tuple[list[str],
         mode = "ar" if system == "longspark_ar" else "spec"
         cmd = [exe, "serve", "--port", str(port), "--mode", mode, "--no-dashboard"]
         cmd += ["--stream-interval", str(cfg.stream_interval)]
+        cmd += ["--target-process", cfg.target_process]
         return [*cmd, "--dtype", cfg.dtype, "--quant", cfg.quant], env
     if system == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -383,7 +385,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
             "stream_interval": cfg.stream_interval,
             "max_tokens": cfg.max_tokens,
             "num_prompts": cfg.num_prompts,
-            "ours": {"dtype": cfg.dtype, "quant": cfg.quant},
+            "ours": {"dtype": cfg.dtype, "quant": cfg.quant, "target_process": cfg.target_process},
             "vllm_dtype": cfg.vllm_dtype,
             "llamacpp_file": "the default model's Q4_1 GGUF",
         },

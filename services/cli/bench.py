@@ -155,6 +155,12 @@ def _add_serving_benchmarks(bench_sub: Any) -> None:
         help="--served: our servers and vLLM's stream every N tokens (llama.cpp's: every one)",
     )
     pe.add_argument(
+        "--target-process",
+        choices=["actors", "replica"],
+        default="actors",
+        help="--served: where our target computes (as `serve --target-process`)",
+    )
+    pe.add_argument(
         "--repeats",
         type=positive_int,
         default=1,
@@ -293,6 +299,7 @@ def _served_peers(args: argparse.Namespace) -> dict[str, Any]:
         quant=args.quant,
         repeats=args.repeats,
         stream_interval=args.stream_interval,
+        target_process=args.target_process,
     )
     return run_served_peers(cfg)
 

@@ -106,6 +106,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         " puts a TP=1 target and the drafter on one GPU)",
     )
     model.add_argument(
+        "--target-process",
+        choices=["actors", "replica"],
+        default=None,
+        help="where the target computes: Ray actors, one per rank (default); or, at tp 1,"
+        " the engine replica's own process (no hop a round: faster at low load)",
+    )
+    model.add_argument(
         "--generation-config",
         default=None,
         help="sampling defaults: auto (the model's generation_config.json), vllm (none)"

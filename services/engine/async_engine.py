@@ -186,14 +186,16 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | Callable[[], Engine],
         extra_stats: Callable[[], dict[str, Any]] | None = None,
         limits: EngineLimits | None = None,
         stream_interval: int = 1,
     ):
-        self.engine = engine
+        """``engine``: the engine, or a function that builds it. A function is called on the
+        engine thread, so a target that computes in this process (``LocalTarget``) makes its
+        one OpenMP team, and takes its thread count and priority, on the thread that runs
+        its rounds; its errors are raised here."""
         self.stream_interval = stream_interval  # a request may ask for more, not fewer
-        self.tok: Tokenizer = engine.tok
         self.limits = limits or EngineLimits()
         self._extra_stats = extra_stats
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -204,8 +206,13 @@ class AsyncEngine:
         self._dead: EngineDeadError | None = None
         self._stop = threading.Event()
         self.num_failed_rounds = 0
-        self._thread = threading.Thread(target=self._run, name="longspark-engine", daemon=True)
+        built: Future[Engine] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(engine, built), name="longspark-engine", daemon=True
+        )
         self._thread.start()
+        self.engine: Engine = built.result()  # set by the engine thread
+        self.tok: Tokenizer = self.engine.tok
 
     # -- asyncio side ---------------------------------------------------------------
     async def admit(self, requests: list[GenerateRequest]) -> list[RequestStream | BaseException]:
@@ -326,9 +333,16 @@ class AsyncEngine:
         return cmd.done
 
     # -- engine thread --------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, engine: Engine | Callable[[], Engine], built: Future[Engine]) -> None:
         raise_thread_priority()  # on every round's critical path (target_actor.priority)
-        engine = self.engine
+        try:
+            if not isinstance(engine, Engine):
+                engine = engine()
+        except BaseException as exc:  # noqa: BLE001 - raised in the constructor
+            built.set_exception(exc)
+            return
+        self.engine = engine
+        built.set_result(engine)
         while not self._stop.is_set():
             busy = engine.has_unfinished() and self._dead is None
             self._drain(block=not busy)

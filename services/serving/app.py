@@ -42,6 +42,7 @@ from api.app import create_app
 from api.lifecycle import Lifecycle
 from api.serving import OpenAIServing, ServingSettings
 from services.engine.async_engine import AsyncEngine, EngineLimits, GenerateRequest, RequestStream
+from services.engine.core import Engine
 from services.engine.sequence import RequestOutput
 from services.serving import errors as _serve_errors  # noqa: F401 - adds the translator
 from services.serving.config import ServeArgs
@@ -83,14 +84,18 @@ class EngineReplica:
 
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = ServeArgs.model_validate(args)
-        engine, self._close, self.drafter = build_replica_engine(self.args)
+
+        def build() -> Engine:  # on the engine thread: a rank in this process computes there
+            engine, self._close, self.drafter = build_replica_engine(self.args)
+            return engine
+
         limits = EngineLimits(
             max_prompt_tokens=self.args.max_prompt_tokens,
             max_waiting=self.args.max_waiting_seqs,
             queue_timeout_s=self.args.queue_timeout_s,
         )
         self.engine = AsyncEngine(
-            engine,
+            build,
             extra_stats=self._replica_stats,
             limits=limits,
             stream_interval=self.args.stream_interval,
@@ -170,7 +175,8 @@ class EngineReplica:
             "admissions": dict(self.admissions),
         }
         target = self.engine.engine.target
-        out["target_pids"] = target.pids() if isinstance(target, TargetGroup) else None
+        # a rank computing in the replica has the replica's process
+        out["target_pids"] = target.pids() if isinstance(target, TargetGroup) else [os.getpid()]
         if self.drafter is not None:
             out.update(self.drafter.counters())
             out["drafter_pid"] = self.drafter.pid()
@@ -346,13 +352,19 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return ingress.bind(engine, resolved)
 
 
+def replica_actor_options(cfg: ServeArgs) -> dict[str, Any]:
+    """The engine replica's resources: all of bundle 0 (Serve places it there)."""
+    res = cfg.replica_resources()
+    return {"num_cpus": res["CPU"], **({"num_gpus": res["GPU"]} if "GPU" in res else {})}
+
+
 def engine_deployment_options(cfg: ServeArgs) -> dict[str, Any]:
     """The engine deployment's Serve options: one ``STRICT_PACK`` placement group per
     replica (``ServeArgs.bundles``), its scaling and its queue limits."""
     engine_options: dict[str, Any] = dict(
         placement_group_bundles=cfg.bundles(),
         placement_group_strategy="STRICT_PACK",
-        ray_actor_options={"num_cpus": cfg.cpus_per_actor},
+        ray_actor_options=replica_actor_options(cfg),
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
         health_check_period_s=5.0,

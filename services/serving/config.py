@@ -69,6 +69,12 @@ class ServeArgs(EngineOptions):
     threads_per_rank: int | None = Field(
         None, ge=1, description="torch threads per target rank (default: its CPUs, at least 1)"
     )
+    target_process: Literal["actors", "replica"] = Field(
+        "actors",
+        description="where the target computes: Ray actors, one per rank; or, at tp 1, the"
+        " engine replica's own process (vLLM's uni executor: no hop a round, but the"
+        " forward then shares the replica's GIL with the streaming)",
+    )
 
     # scaling and back-pressure
     min_replicas: int = Field(1, ge=1, description="engine replicas at least")
@@ -167,7 +173,14 @@ class ServeArgs(EngineOptions):
                 "drafter_device is for in-process engines: a replica's drafter is a Ray actor"
                 " with drafter_gpus of a GPU of its own"
             )
+        if self.target_process == "replica" and self.tp > 1:
+            raise ValueError(f"target_process replica holds one rank; tp {self.tp} needs actors")
         return self
+
+    @property
+    def rank_in_replica(self) -> bool:
+        """Whether the (single) target rank computes in the engine replica's process."""
+        return self.target_process == "replica"
 
     # -- resolution (once, where build_app runs) ------------------------------------
     def resolved(self) -> ServeArgs:
@@ -223,12 +236,26 @@ class ServeArgs(EngineOptions):
             return {"CPU": self.cpus_per_actor, "GPU": gpus}
         return {"CPU": self.cpus_per_actor}
 
+    def replica_resources(self) -> dict[str, float]:
+        """The engine replica's bundle (bundle 0): its own CPUs, and a rank's CPUs and GPU
+        share when the rank computes in it."""
+        if not self.rank_in_replica:
+            return {"CPU": self.cpus_per_actor}
+        rank = self.rank_resources()
+        return {**rank, "CPU": self.cpus_per_actor + rank["CPU"]}
+
     def bundles(self) -> list[dict[str, float]]:
-        """Engine replica first (it runs in bundle 0, no GPU), then ``tp`` ranks, then the
-        drafter (spec mode)."""
-        ranks = [self.rank_resources() for _ in range(self.tp)]
+        """Engine replica first (it runs in bundle 0), then the ranks that are actors (``tp``
+        of them, or none when the rank computes in the replica), then the drafter (spec
+        mode)."""
+        ranks = [] if self.rank_in_replica else [self.rank_resources() for _ in range(self.tp)]
         drafter = [self.drafter_resources()] if self.mode == "spec" else []
-        return [{"CPU": self.cpus_per_actor}, *ranks, *drafter]
+        return [self.replica_resources(), *ranks, *drafter]
+
+    @property
+    def drafter_bundle(self) -> int:
+        """The drafter's bundle index in ``bundles()``."""
+        return 1 if self.rank_in_replica else self.tp + 1
 
     def autoscaling(self) -> dict[str, Any]:
         return {

@@ -40,6 +40,7 @@ OVERRIDES = {
     "device": "device",
     "gpus_per_rank": "gpus_per_rank",
     "drafter_gpus": "drafter_gpus",
+    "target_process": "target_process",
     "min_replicas": "min_replicas",
     "max_replicas": "max_replicas",
     "ingress": "ingress",

@@ -1,12 +1,20 @@
 """Build one engine replica's engine inside the replica's placement group.
 
-Serve reserves one placement group per engine replica (``ServeArgs.bundles``): bundle 0
-holds the replica itself (the engine thread), bundles ``1..tp`` the target ranks and
-bundle ``tp + 1`` the drafter, ``STRICT_PACK`` (on GPUs: a rank's bundle holds
-``gpus_per_rank`` of a GPU, the drafter's ``drafter_gpus``). The target ranks and the drafter are
-started in exactly those bundles, so a replica's resources are reserved all at once and
-freed with it. Outside a placement group (tests that build an engine directly), the
-target reserves its own, as ``TargetGroup`` does.
+Serve reserves one placement group per engine replica (``ServeArgs.bundles``),
+``STRICT_PACK``: bundle 0 holds the replica itself (the engine thread), then come the
+target ranks that are Ray actors, one bundle each, and last the drafter (on GPUs: a
+rank's bundle holds ``gpus_per_rank`` of a GPU, the drafter's ``drafter_gpus``). The
+ranks and the drafter are started in exactly those bundles, so a replica's resources are
+reserved all at once and freed with it. Outside a placement group (tests that build an
+engine directly), the target reserves its own, as ``TargetGroup`` does.
+
+With ``target_process: replica`` (tp 1) the rank computes in the replica's own process,
+as vLLM's uni executor does: bundle 0 then holds the rank's CPUs and GPU too, and a round
+costs no hop to another process and no Ray threads beside the forward; but the forward's
+Python then shares the replica's GIL with the streaming, which costs at high load. Build
+this on the engine thread (``AsyncEngine`` takes the builder): the rank's OpenMP team is
+made by the thread that first computes, and one team per process is what keeps libgomp
+spinning instead of sleeping at each barrier.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from services.engine.core import Engine
 from services.engine.resilient_drafter import ResilientDrafter
 from services.engine.tokenizer import Tokenizer
 from services.serving.config import ServeArgs
-from target_actor.worker import TargetGroup
+from target_actor.worker import LocalTarget, TargetGroup
 
 
 def build_replica_engine(
@@ -39,7 +47,7 @@ def build_replica_engine(
     if args.mode == "spec":
         strategy = (
             PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=args.tp + 1
+                placement_group=pg, placement_group_bundle_index=args.drafter_bundle
             )
             if pg is not None
             else None
@@ -58,8 +66,11 @@ def build_replica_engine(
         drafter = ResilientDrafter(start_drafter, args.drafter_timeout_s)
         spec = dataclasses.replace(spec, tap_layer_ids=tuple(drafter.cfg.tap_layer_ids))
     window = views_window(drafter)
-    if pg is not None:
-        target: TargetGroup = TargetGroup(
+    target: TargetGroup | LocalTarget
+    if args.rank_in_replica:
+        target = LocalTarget(spec, window)
+    elif pg is not None:
+        target = TargetGroup(
             spec,
             args.tp,
             rank_res["CPU"],

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving_helpers import serve_app
+from tests.serving_helpers import engine_stats, serve_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -32,6 +32,7 @@ def server(smollm2_path):
         kv_cache_tokens=16384,
         cpus_per_actor=0.5,
         api_key=KEY,
+        target_process="replica",  # the rank in the replica's process, the drafter apart
         **WEIGHTS,
     )
     with serve_app(args, name="parity") as url:
@@ -55,6 +56,15 @@ def client(server):
 
 def chat_ids(plain) -> list[int]:
     return plain.tok.encode_chat(MESSAGES)
+
+
+def test_the_rank_computes_in_the_replica_and_the_drafter_apart(server):
+    """``target_process: replica``: no rank actor (the replica's own process computes, as
+    vLLM's uni executor), the drafter still a Ray actor of its own; the tests around this
+    one check that what it serves equals plain decoding, greedy and sampled."""
+    stats = engine_stats(server, AUTH)
+    assert stats["target_pids"] == [stats["replica_pid"]]
+    assert stats["drafter_pid"] not in (None, stats["replica_pid"])
 
 
 def test_n_seeded_choices_are_distinct_and_reproducible(server):

@@ -542,3 +542,44 @@ def test_a_request_streaming_every_n_tokens_gets_the_same_text_in_fewer_chunks(e
     text = "".join(c.choices[0].text for c in chunks)
     assert text == engine.tok.decode(plain_tokens(plain, engine.tok.encode(prompt), n))
     assert len(chunks) <= 1 + -(-(n - 1) // interval), len(chunks)
+
+
+def test_an_engine_builder_runs_on_the_engine_thread_and_its_error_reaches_the_caller(
+    tiny_chat, plain
+):
+    """A replica whose rank computes in its own process builds the engine on the thread
+    that runs its rounds (one OpenMP team, made there); a failed build fails the replica's
+    constructor, not a background thread silently."""
+    import threading
+
+    built_on: list[str] = []
+
+    def build():
+        built_on.append(threading.current_thread().name)
+        eng, _ = build_engine(EngineOptions(target=str(tiny_chat), mode="ar", kv_cache_tokens=4096))
+        return eng
+
+    runner = AsyncEngine(build)
+    try:
+        assert built_on == ["longspark-engine"] and runner.tok is runner.engine.tok
+        ids = runner.tok.encode("Hello there")
+        want = plain.generate([ids], SamplingParams(max_tokens=6, temperature=0))[0].token_ids
+
+        async def go():
+            outs = [
+                o
+                async for o in runner.generate(
+                    GenerateRequest(SamplingParams(max_tokens=6, temperature=0), prompt=ids)
+                )
+            ]
+            return outs[-1].token_ids
+
+        assert asyncio.run(go()) == want
+    finally:
+        runner.shutdown()
+
+    def broken():
+        raise ValueError("no such checkpoint")
+
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        AsyncEngine(broken)

@@ -55,10 +55,16 @@ def test_serve_configs_validate(name):
     options = engine_deployment_options(args)  # what build_app hands Serve, Ray not started
     bundles = options["placement_group_bundles"]
     assert options["placement_group_strategy"] == "STRICT_PACK"
-    assert len(bundles) == 1 + args.tp + (args.mode == "spec")
-    assert "GPU" not in bundles[0]  # the engine replica itself
+    actors = 0 if args.rank_in_replica else args.tp  # a rank in the replica: bundle 0 holds it
+    assert len(bundles) == 1 + actors + (args.mode == "spec")
+    replica = options["ray_actor_options"]
+    assert bundles[0] == {
+        "CPU": replica["num_cpus"],
+        **({"GPU": replica["num_gpus"]} if "num_gpus" in replica else {}),
+    }
     if args.device == "cuda":
-        ranks, drafter = bundles[1 : 1 + args.tp], bundles[1 + args.tp :]
+        ranks = [bundles[0]] if args.rank_in_replica else bundles[1 : 1 + actors]
+        drafter = bundles[1 + actors :]
         assert all(b["GPU"] == args.gpus_per_rank for b in ranks)
         assert all(b["GPU"] == args.drafter_gpus for b in drafter)
         assert args.tp == 1 or args.gpus_per_rank > 0.5  # no two NCCL ranks on one GPU
@@ -109,6 +115,12 @@ def test_cli_defaults_come_from_local_cpu_yaml_and_options_override():
     assert port == 9001 and app["tp"] == 3 and app["drafter"] == "random"
     assert app["max_replicas"] == 2 and app["mode"] == "spec" and app["stream_interval"] == 4
     assert ServeArgs.model_validate(app).stream_interval == 4
+    assert not ServeArgs.model_validate(app).rank_in_replica  # a Ray actor per rank
+    args = build_parser().parse_args(["serve", "--target-process", "replica"])
+    app, _, _ = settings_from(args)
+    assert app["target_process"] == "replica" and ServeArgs.model_validate(app).rank_in_replica
+    with pytest.raises(ValueError, match="target_process replica holds one rank"):
+        ServeArgs(tp=2, target_process="replica")
 
 
 def test_serve_args_resolution(tiny_checkpoints, monkeypatch):
@@ -117,6 +129,8 @@ def test_serve_args_resolution(tiny_checkpoints, monkeypatch):
     plain = ServeArgs(target=path).resolved()  # no drafter ships for it: plain decoding
     assert plain.mode == "ar" and plain.drafter is None and plain.model_name == "qwen3"
     assert plain.api_key == "from-env" and len(plain.bundles()) == 2
+    in_replica = ServeArgs(target=path, target_process="replica").resolved()
+    assert in_replica.bundles() == [{"CPU": 2.0}] and in_replica.drafter_bundle == 1
     spec = ServeArgs(target=path, drafter="random", tp=2, api_key="given").resolved()
     assert spec.mode == "spec" and spec.api_key == "given" and len(spec.bundles()) == 4
     with pytest.raises(ValueError, match="max_replicas"):

@@ -76,3 +76,10 @@ def test_the_stream_interval_reaches_our_servers_and_vllms():
     for system in ("longspark", "longspark_ar", "vllm"):
         cmd, _ = served_peers._command(system, cfg, 8123)
         assert cmd[cmd.index("--stream-interval") + 1] == "8", system
+
+
+def test_where_our_target_computes_reaches_our_servers():
+    cfg = ServedPeersConfig(concurrency=[1], target_process="replica")
+    for system in ("longspark", "longspark_ar"):
+        cmd, _ = served_peers._command(system, cfg, 8123)
+        assert cmd[cmd.index("--target-process") + 1] == "replica", system
