@@ -3,7 +3,9 @@
 One forward runs every sequence's new tokens through the linears as one ``[T, hidden]``
 matrix; between them, the row-wise steps (norms, RoPE, SiLU) run fused per row
 (``layer_ops``), and attention takes one C call per layer for every sequence's decode rows
-and verify blocks (prompt chunks: SDPA per sequence). Tensor parallelism is in the weights
+and verify blocks (prompt chunks: SDPA per sequence). A forward of decode rows and verify
+blocks through the integer GEMMs runs all its layers in one C call instead
+(``native_decoder``): the same kernels in the same order, without the Python between them. Tensor parallelism is in the weights
 (each rank holds its heads / channels / vocab slice) and two collectives from
 ``TPContext``; at TP=1 they vanish.
 """
@@ -19,6 +21,7 @@ from target_actor.config import ModelConfig
 from target_actor.kv_cache import KVCache
 from target_actor.layer_ops import NativeOps, TorchOps, ops_for, rms_norm
 from target_actor.linear import WeightForm
+from target_actor.native_decoder import NativeDecoder
 from target_actor.parallel import TPContext
 from target_actor.rope import RotaryTable
 from target_actor.weights import CheckpointReader
@@ -265,6 +268,7 @@ class TargetModel(nn.Module):
         self.tap_index = {layer: i for i, layer in enumerate(cfg.tap_layer_ids)}
         self.row_exact = False
         self.ops = ops_for(dtype, cfg.head_dim, self.device)
+        self.native: NativeDecoder | None = None  # all layers in one C call (prepare)
 
     @property
     def local_kv_heads(self) -> int:
@@ -297,6 +301,8 @@ class TargetModel(nn.Module):
         for p in self.parameters():  # dense layers already reference tensors of ``dtype``
             if p.numel() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+        lib = self.ops.lib if isinstance(self.ops, NativeOps) else None
+        self.native = NativeDecoder.build(lib, self)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: ids outside this rank's slice contribute zeros."""
@@ -326,12 +332,17 @@ class TargetModel(nn.Module):
         # elsewhere (tests, the channel) comes in host memory and crosses here
         h, y = self.embed_tokens(batch.token_ids.to(self.device)), None
         taps_h, taps_k, taps_v = [], [], []
-        for i, layer in enumerate(self.layers):
-            y, k, v = layer(h, y, cos, sin, plan, cache, i, ops)
-            if batch.return_taps and i in self.tap_index:
-                taps_h.append(h + y)  # the layer's output hidden state (h itself lags by y)
-                taps_k.append(self._gather_heads(k))
-                taps_v.append(self._gather_heads(v))
+        if self.native is not None and plan.native is not None and not plan.items:
+            # decode rows and verify blocks: the same kernels as the loop below, one C call
+            y, taps = self.native.run(self, h, cos, sin, plan, batch.return_taps)
+            taps_h, taps_k, taps_v = ([t[j] for t in taps] for j in range(3))
+        else:
+            for i, layer in enumerate(self.layers):
+                y, k, v = layer(h, y, cos, sin, plan, cache, i, ops)
+                if batch.return_taps and i in self.tap_index:
+                    taps_h.append(h + y)  # the layer's output (h itself lags by y)
+                    taps_k.append(self._gather_heads(k))
+                    taps_v.append(self._gather_heads(v))
         x = ops.add_rms_norm(h, y, self.norm, self.cfg.rms_norm_eps, self.lin_head.act or h.dtype)
         out = ForwardOutput(logits=self._head(x[self._logit_rows(batch)]))
         if batch.return_taps:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger("longspark.target")
 
-SOURCES = ("common.h", "attention.c", "rowwise.c", "gemm.c", "q4.c")
+SOURCES = ("common.h", "attention.c", "rowwise.c", "gemm.c", "q4.c", "decoder.c")
 LANES = 16  # head_dim must be a multiple of the kernels' vector width (csrc LANES)
 GEMM_CHANNELS = 4  # the GEMMs take out_features in multiples of this (csrc/gemm.c NB)
 GEMM_STEP = 32  # ... and in_features in multiples of this (csrc/gemm.c STEP)
@@ -131,10 +131,31 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         # x, M, K, packed weights, scales, N, y, activation planes (1 or 2)
         "ls_gemm_w8": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, i32],
         "ls_gemm_q4_vnni": [],
+        # layers, n, h, eps, T, hidden, cos, sin, heads, kv_heads, head_dim, scale, then
+        # ls_attend's sequences, kv_bf16, nine scratch buffers, three tap pointer arrays
+        "ls_decoder": [
+            _PTR,
+            _I64,
+            _PTR,
+            f32,
+            _I64,
+            _I64,
+            _PTR,
+            _PTR,
+            i32,
+            i32,
+            i32,
+            f32,
+            _I64,
+            *(_PTR,) * 5,
+            i32,
+            *(_PTR,) * 12,
+        ],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int if name.startswith(("ls_attend", "ls_draft", "ls_gemm")) else None
+        returns_int = name.startswith(("ls_attend", "ls_draft", "ls_gemm", "ls_decoder"))
+        fn.restype = ctypes.c_int if returns_int else None
         fn.argtypes = argtypes
     return lib
 

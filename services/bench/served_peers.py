@@ -65,7 +65,7 @@ class ServedPeersConfig:
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     repeats: int = 1  # > 1: our two modes measured in interleaved pairs (module docstring)
     stream_interval: int = 1  # ours and vLLM's: stream every N tokens (llama.cpp: always 1)
-    target_process: str = "actors"  # ours: the rank in Ray actors, or in the replica (tp 1)
+    target_process: str = "auto"  # ours: the rank in the replica (tp 1) or in Ray actors
     log_dir: Path | None = None  # servers' logs; default $LONGSPARK_HOME/logs
 
 

@@ -156,8 +156,8 @@ def _add_serving_benchmarks(bench_sub: Any) -> None:
     )
     pe.add_argument(
         "--target-process",
-        choices=["actors", "replica"],
-        default="actors",
+        choices=["auto", "replica", "actors"],
+        default="auto",
         help="--served: where our target computes (as `serve --target-process`)",
     )
     pe.add_argument(

@@ -107,10 +107,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--target-process",
-        choices=["actors", "replica"],
+        choices=["auto", "replica", "actors"],
         default=None,
-        help="where the target computes: Ray actors, one per rank (default); or, at tp 1,"
-        " the engine replica's own process (no hop a round: faster at low load)",
+        help="where the target computes: the engine replica's own process (one rank, no hop"
+        " a round), Ray actors (one per rank), or auto (replica at tp 1; default)",
     )
     model.add_argument(
         "--generation-config",

@@ -69,11 +69,11 @@ class ServeArgs(EngineOptions):
     threads_per_rank: int | None = Field(
         None, ge=1, description="torch threads per target rank (default: its CPUs, at least 1)"
     )
-    target_process: Literal["actors", "replica"] = Field(
-        "actors",
-        description="where the target computes: Ray actors, one per rank; or, at tp 1, the"
-        " engine replica's own process (vLLM's uni executor: no hop a round, but the"
-        " forward then shares the replica's GIL with the streaming)",
+    target_process: Literal["auto", "replica", "actors"] = Field(
+        "auto",
+        description="where the target computes: the engine replica's own process (one rank,"
+        " as vLLM's uni executor: no hop a round), Ray actors (one per rank), or auto (the"
+        " replica at tp 1, actors above)",
     )
 
     # scaling and back-pressure
@@ -174,13 +174,15 @@ class ServeArgs(EngineOptions):
                 " with drafter_gpus of a GPU of its own"
             )
         if self.target_process == "replica" and self.tp > 1:
-            raise ValueError(f"target_process replica holds one rank; tp {self.tp} needs actors")
+            raise ValueError(
+                f"target_process replica holds one rank; tp {self.tp} needs actors (or auto)"
+            )
         return self
 
     @property
     def rank_in_replica(self) -> bool:
         """Whether the (single) target rank computes in the engine replica's process."""
-        return self.target_process == "replica"
+        return self.target_process == "replica" or (self.target_process == "auto" and self.tp == 1)
 
     # -- resolution (once, where build_app runs) ------------------------------------
     def resolved(self) -> ServeArgs:

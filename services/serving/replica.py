@@ -8,13 +8,13 @@ ranks and the drafter are started in exactly those bundles, so a replica's resou
 reserved all at once and freed with it. Outside a placement group (tests that build an
 engine directly), the target reserves its own, as ``TargetGroup`` does.
 
-With ``target_process: replica`` (tp 1) the rank computes in the replica's own process,
-as vLLM's uni executor does: bundle 0 then holds the rank's CPUs and GPU too, and a round
-costs no hop to another process and no Ray threads beside the forward; but the forward's
-Python then shares the replica's GIL with the streaming, which costs at high load. Build
-this on the engine thread (``AsyncEngine`` takes the builder): the rank's OpenMP team is
-made by the thread that first computes, and one team per process is what keeps libgomp
-spinning instead of sleeping at each barrier.
+At tp 1 the rank computes in the replica's own process by default (``target_process``
+``auto``; as vLLM's uni executor does): bundle 0 then holds the rank's CPUs and GPU too,
+and a round costs no hop to another process and no Ray threads beside the forward (the
+engine's Python then shares the replica's GIL with the streaming; ``actors`` keeps a Ray
+rank). Build this on the engine thread (``AsyncEngine`` takes the builder): the rank's
+OpenMP team is made by the thread that first computes, and one team per process is what
+keeps libgomp spinning instead of sleeping at each barrier.
 """
 
 from __future__ import annotations

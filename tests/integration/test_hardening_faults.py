@@ -60,6 +60,7 @@ def serving_replica(tiny_path, **overrides):
         kv_cache_tokens=32768,
         cpus_per_actor=0.5,
         drafter_timeout_s=DRAFTER_TIMEOUT_S,
+        target_process="actors",  # the rank as a Ray actor: its faults are injected here
         **overrides,
     ).resolved()
     engine, close, drafter = build_replica_engine(args)

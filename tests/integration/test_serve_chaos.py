@@ -33,6 +33,7 @@ def chaos_server(tiny_model):
         kv_cache_tokens=8192,
         cpus_per_actor=0.5,
         max_ongoing_requests=16,
+        target_process="actors",  # a rank of its own to kill
     )
     with serve_app(args, name="chaos") as url:
         yield url

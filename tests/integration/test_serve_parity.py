@@ -32,7 +32,7 @@ def server(smollm2_path):
         kv_cache_tokens=16384,
         cpus_per_actor=0.5,
         api_key=KEY,
-        target_process="replica",  # the rank in the replica's process, the drafter apart
+        target_process="auto",  # tp 1: the rank in the replica's process, the drafter apart
         **WEIGHTS,
     )
     with serve_app(args, name="parity") as url:
@@ -59,9 +59,9 @@ def chat_ids(plain) -> list[int]:
 
 
 def test_the_rank_computes_in_the_replica_and_the_drafter_apart(server):
-    """``target_process: replica``: no rank actor (the replica's own process computes, as
-    vLLM's uni executor), the drafter still a Ray actor of its own; the tests around this
-    one check that what it serves equals plain decoding, greedy and sampled."""
+    """``target_process: auto`` at tp 1: no rank actor (the replica's own process computes,
+    as vLLM's uni executor), the drafter still a Ray actor of its own; the tests around
+    this one check that what it serves equals plain decoding, greedy and sampled."""
     stats = engine_stats(server, AUTH)
     assert stats["target_pids"] == [stats["replica_pid"]]
     assert stats["drafter_pid"] not in (None, stats["replica_pid"])

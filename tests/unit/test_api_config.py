@@ -115,10 +115,11 @@ def test_cli_defaults_come_from_local_cpu_yaml_and_options_override():
     assert port == 9001 and app["tp"] == 3 and app["drafter"] == "random"
     assert app["max_replicas"] == 2 and app["mode"] == "spec" and app["stream_interval"] == 4
     assert ServeArgs.model_validate(app).stream_interval == 4
-    assert not ServeArgs.model_validate(app).rank_in_replica  # a Ray actor per rank
-    args = build_parser().parse_args(["serve", "--target-process", "replica"])
+    assert not ServeArgs.model_validate(app).rank_in_replica  # tp 3: a Ray actor per rank
+    assert ServeArgs.model_validate({**app, "tp": 1}).rank_in_replica  # auto at tp 1
+    args = build_parser().parse_args(["serve", "--target-process", "actors"])
     app, _, _ = settings_from(args)
-    assert app["target_process"] == "replica" and ServeArgs.model_validate(app).rank_in_replica
+    assert app["target_process"] == "actors" and not ServeArgs.model_validate(app).rank_in_replica
     with pytest.raises(ValueError, match="target_process replica holds one rank"):
         ServeArgs(tp=2, target_process="replica")
 
@@ -128,9 +129,9 @@ def test_serve_args_resolution(tiny_checkpoints, monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     plain = ServeArgs(target=path).resolved()  # no drafter ships for it: plain decoding
     assert plain.mode == "ar" and plain.drafter is None and plain.model_name == "qwen3"
-    assert plain.api_key == "from-env" and len(plain.bundles()) == 2
-    in_replica = ServeArgs(target=path, target_process="replica").resolved()
-    assert in_replica.bundles() == [{"CPU": 2.0}] and in_replica.drafter_bundle == 1
+    assert plain.api_key == "from-env" and plain.bundles() == [{"CPU": 2.0}]  # rank in replica
+    actors = ServeArgs(target=path, target_process="actors").resolved()
+    assert actors.bundles() == [{"CPU": 1.0}, {"CPU": 1.0}] and not actors.rank_in_replica
     spec = ServeArgs(target=path, drafter="random", tp=2, api_key="given").resolved()
     assert spec.mode == "spec" and spec.api_key == "given" and len(spec.bundles()) == 4
     with pytest.raises(ValueError, match="max_replicas"):

@@ -74,12 +74,12 @@ def test_serve_args_take_the_old_gpu_spelling_and_place_gpus_per_bundle():
     ]
     shared = ServeArgs(device="cuda", gpus_per_rank=0.5, drafter_gpus=0.5, cpus_per_actor=2)
     assert shared.rank_resources() == shared.drafter_resources() == {"CPU": 2.0, "GPU": 0.5}
-    assert sum(b.get("GPU", 0) for b in shared.bundles()) == 1.0  # TP=1 + drafter: one GPU
+    # TP=1: the rank computes in the replica, whose bundle holds its GPU share; + drafter
+    assert shared.bundles() == [{"CPU": 4.0, "GPU": 0.5}, {"CPU": 2.0, "GPU": 0.5}]
     plain = ServeArgs(device="cuda", mode="ar")
-    assert plain.bundles() == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]  # no drafter bundle
-    # the rank in the replica: bundle 0 holds its CPUs and GPU share, then the drafter
-    in_replica = shared.model_copy(update={"target_process": "replica"})
-    assert in_replica.bundles() == [{"CPU": 4.0, "GPU": 0.5}, {"CPU": 2.0, "GPU": 0.5}]
+    assert plain.bundles() == [{"CPU": 2.0, "GPU": 1.0}]  # no drafter bundle
+    actors = ServeArgs(device="cuda", mode="ar", target_process="actors")
+    assert actors.bundles() == [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
     assert all("GPU" not in b for b in ServeArgs(gpus_per_rank=0.5).bundles())  # cpu
     with pytest.raises(ValidationError, match="drafter_device"):
         ServeArgs(device="cuda", drafter_device="cuda:1")  # replicas run a Ray drafter

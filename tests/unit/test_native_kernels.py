@@ -346,3 +346,39 @@ def test_w8_gemm_is_q8_0_weights_times_the_inputs_and_rows_stand_alone(q4_lib, m
             assert torch.equal(lin(x[lo:hi].contiguous()), whole[lo:hi])
     with pytest.raises(ValueError, match="planes"):
         Int8Linear(w, planes=3)
+
+
+@pytest.mark.parametrize(
+    ("arch", "quant"), [("llama", "int4"), ("qwen3", "int4"), ("llama", "int8")]
+)
+def test_the_layers_in_one_c_call_give_the_python_loops_bits(tiny_checkpoints, arch, quant):
+    """``csrc/decoder.c`` runs the kernels the Python loop calls, in its order: decode rows
+    and verify blocks of several sequences, with taps, come out bit for bit the same (and
+    a prompt chunk, which it does not take, goes through the loop)."""
+    runner = TargetRunner(TargetSpec(str(tiny_checkpoints[arch]), quant=quant, num_taps=2))
+    model = runner.model
+    fused = model.native
+    assert fused is not None
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (40, 9)]
+    outs = {}
+    for name, native_decoder in (("fused", fused), ("loop", None)):
+        model.native = native_decoder
+        base = 0 if name == "fused" else 10  # the same sequences under other ids
+        for s, p in enumerate(prompts):
+            runner.forward(ForwardBatch.single(base + s, p, 0))
+        steps = []
+        for start, rows in ((0, [1, 1]), (1, [1, 5])):  # decode rows, then a verify block
+            tokens = torch.randint(
+                0, 97, (sum(rows),), generator=torch.Generator().manual_seed(start)
+            )
+            batch = ForwardBatch(
+                [base, base + 1], tokens, rows, [40 + start, 9 + start], rows, return_taps=True
+            )
+            steps.append(runner.forward(batch))
+        outs[name] = steps
+    model.native = fused
+    for a, b in zip(outs["fused"], outs["loop"], strict=True):
+        assert torch.equal(a.logits, b.logits)
+        assert torch.equal(a.tap_hidden, b.tap_hidden)
+        assert torch.equal(a.tap_k, b.tap_k) and torch.equal(a.tap_v, b.tap_v)
