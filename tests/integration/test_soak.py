@@ -37,5 +37,7 @@ def test_small_soak_is_flat_and_error_free(tmp_path):
     assert len(report.samples) >= 5
     assert report.object_store_growth <= OBJECT_STORE_SLACK
     ours = {p: g for p, g in report.rss_growth.items() if p.startswith(ENGINE_PROCESSES)}
-    assert len(ours) == 3, report.rss_growth
+    assert len(ours) == 2, (
+        report.rss_growth
+    )  # the replica (the tp-1 rank computes in it), the drafter
     assert all(g < cfg.max_growth for g in ours.values()), ours
