@@ -1,8 +1,8 @@
 """The decoder's layers in one C call (``csrc/decoder.c``) for decode and verify forwards.
 
 ``TargetModel.forward`` runs a layer as ~10 calls from Python (norms, GEMMs, RoPE,
-attention); over 30 layers that is ~2 ms of a ~7 ms decode step on two cores, and the
-GIL held between the calls. When every GEMM is one of ``csrc/q4.c``'s integer kernels,
+attention); for a small model on a CPU that Python is a large share of a decode step
+(``docs/experiments/runtime-kernels.md``), and it holds the GIL between the calls. When every GEMM is one of ``csrc/q4.c``'s integer kernels,
 TP is 1 and every sequence's rows attend in the C kernel (no prompt chunk), the same
 kernels run in the same order from one C loop instead, on the same buffers: the output
 is the same bits (a test compares them), and the forward holds the GIL once.
