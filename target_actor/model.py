@@ -5,9 +5,9 @@ matrix; between them, the row-wise steps (norms, RoPE, SiLU) run fused per row
 (``layer_ops``), and attention takes one C call per layer for every sequence's decode rows
 and verify blocks (prompt chunks: SDPA per sequence). A forward of decode rows and verify
 blocks through the integer GEMMs runs all its layers in one C call instead
-(``native_decoder``): the same kernels in the same order, without the Python between them. Tensor parallelism is in the weights
-(each rank holds its heads / channels / vocab slice) and two collectives from
-``TPContext``; at TP=1 they vanish.
+(``native_decoder``): the same kernels in the same order, without the Python between
+them. Tensor parallelism is in the weights (each rank holds its heads / channels / vocab
+slice) and two collectives from ``TPContext``; at TP=1 they vanish.
 """
 
 from __future__ import annotations

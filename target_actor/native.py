@@ -108,6 +108,9 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         raise OSError("no C compiler")
     lib = ctypes.CDLL(str(_build(compiler, extra_flags)))
     i32, f32 = ctypes.c_int, ctypes.c_float
+    # ls_decoder: layers, n, h, eps, T, hidden, cos, sin, heads, kv_heads, head_dim, scale,
+    # then ls_attend's sequences, kv_bf16, nine scratch buffers, three tap pointer arrays
+    decoder_args = [_PTR, _I64, _PTR, f32, _I64, _I64, _PTR, _PTR, i32, i32, i32, f32, _I64, *(_PTR,) * 5, i32, *(_PTR,) * 12]  # fmt: skip
     signatures = {
         # q, k, v (+ row strides), out, sequences, base, cap, start, nnew, row0, layer,
         # heads, kv_heads, head_dim, scale
@@ -131,26 +134,7 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         # x, M, K, packed weights, scales, N, y, activation planes (1 or 2)
         "ls_gemm_w8": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, i32],
         "ls_gemm_q4_vnni": [],
-        # layers, n, h, eps, T, hidden, cos, sin, heads, kv_heads, head_dim, scale, then
-        # ls_attend's sequences, kv_bf16, nine scratch buffers, three tap pointer arrays
-        "ls_decoder": [
-            _PTR,
-            _I64,
-            _PTR,
-            f32,
-            _I64,
-            _I64,
-            _PTR,
-            _PTR,
-            i32,
-            i32,
-            i32,
-            f32,
-            _I64,
-            *(_PTR,) * 5,
-            i32,
-            *(_PTR,) * 12,
-        ],
+        "ls_decoder": decoder_args,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -2,10 +2,11 @@
 
 ``TargetModel.forward`` runs a layer as ~10 calls from Python (norms, GEMMs, RoPE,
 attention); for a small model on a CPU that Python is a large share of a decode step
-(``docs/experiments/runtime-kernels.md``), and it holds the GIL between the calls. When every GEMM is one of ``csrc/q4.c``'s integer kernels,
-TP is 1 and every sequence's rows attend in the C kernel (no prompt chunk), the same
-kernels run in the same order from one C loop instead, on the same buffers: the output
-is the same bits (a test compares them), and the forward holds the GIL once.
+(``docs/experiments/runtime-kernels.md``), and it holds the GIL between the calls. When
+every GEMM is one of ``csrc/q4.c``'s integer kernels, TP is 1 and every sequence's rows
+attend in the C kernel (no prompt chunk), the same kernels run in the same order from one
+C loop instead, on the same buffers: the output is the same bits (a test compares them),
+and the forward holds the GIL once.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ class _Layer(ctypes.Structure):
     ]
 
 
-def _gemm_fields(lin: Linear) -> tuple[int, int, int, int, int, int, int] | None:
+def _gemm_fields(lin: Linear) -> tuple[int, int, int, int | None, int, int, int] | None:
     """(kind, tiles, d, m, n, k, planes) of a linear on ``csrc/q4.c``'s kernels, or None."""
     if isinstance(lin, Int4Linear) and lin.lib is not None:
         w, d, m = lin.packed.data_ptr(), lin.d.data_ptr(), lin.m.data_ptr()
         return KIND_Q4, w, d, m, lin.out_features, lin.in_features, lin.planes
     if isinstance(lin, Int8Linear) and lin.int_lib is not None:
         w, d = lin.tiles.data_ptr(), lin.d.data_ptr()
-        return KIND_W8, w, d, 0, lin.out_features, lin.in_features, lin.planes
+        return KIND_W8, w, d, None, lin.out_features, lin.in_features, lin.planes
     return None
 
 
@@ -56,8 +57,8 @@ class NativeDecoder:
     """Every layer's weights as ``csrc/decoder.c`` reads them, or ``build`` says None when
     a layer cannot go there. Built after the weights are prepared; it points into them."""
 
-    def __init__(self, lib, layers: ctypes.Array, inter: int) -> None:
-        self.fn, self.layers, self.inter = lib.ls_decoder, layers, inter
+    def __init__(self, lib, layers: ctypes.Array) -> None:
+        self.fn, self.layers = lib.ls_decoder, layers
 
     @classmethod
     def build(cls, lib, model) -> NativeDecoder | None:
@@ -74,16 +75,17 @@ class NativeDecoder:
             entry.input_norm, entry.post_norm = _ptr(layer.input_norm), _ptr(layer.post_norm)
             entry.q_norm, entry.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
             for g, (kind, w, d, m, n, k, planes) in enumerate(fields):
-                entry.kind[g], entry.w[g], entry.d[g], entry.m[g] = kind, w, d, m or None
+                entry.kind[g], entry.w[g], entry.d[g], entry.m[g] = kind, w, d, m
                 entry.n[g], entry.k[g], entry.planes[g] = n, k, planes
-        return cls(lib, layers, model.layers[0].inter)
+        return cls(lib, layers)
 
     def run(self, model, h, cos, sin, plan, taps: bool):
         """All layers on ``h`` ``[T, hidden]`` (updated in place, as the Python loop does);
         the last layer's output ``y`` and, with ``taps``, each tap layer's (h, k, v)."""
         cfg = model.cfg
         T, hidden, hd = h.shape[0], cfg.hidden_size, cfg.head_dim
-        heads, kv_heads = model.layers[0].heads, model.layers[0].kv_heads
+        first = model.layers[0]
+        heads, kv_heads, inter = first.heads, first.kv_heads, first.inter
         nq, nkv = heads * hd, kv_heads * hd
 
         def empty(*shape: int) -> torch.Tensor:
@@ -91,7 +93,7 @@ class NativeDecoder:
 
         x, y, q, attn = empty(T, hidden), empty(T, hidden), empty(T, nq), empty(T, nq)
         qkv, k, v = empty(T, nq + 2 * nkv), empty(T, kv_heads, hd), empty(T, kv_heads, hd)
-        gu, act = empty(T, 2 * self.inter), empty(T, self.inter)
+        gu, act = empty(T, 2 * inter), empty(T, inter)
         tap_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         tap_args: list[int | None] = [None, None, None]
         if taps:
@@ -106,7 +108,7 @@ class NativeDecoder:
         rc = self.fn(
             ctypes.addressof(self.layers), len(model.layers), h.data_ptr(), cfg.rms_norm_eps,
             T, hidden, cos.data_ptr(), sin.data_ptr(), heads, kv_heads, hd,
-            model.layers[0].scale, nseq, base, cap, start, nnew, row0,
+            first.scale, nseq, base, cap, start, nnew, row0,
             plan.kv_bf16, x.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(),
             v.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr(), y.data_ptr(),
             *tap_args,

@@ -184,6 +184,8 @@ class AsyncEngine:
     :meth:`admit` and reads each request with :meth:`stream`.
     """
 
+    engine: Engine  # set by the engine thread before the constructor returns
+
     def __init__(
         self,
         engine: Engine | Callable[[], Engine],
@@ -211,7 +213,7 @@ class AsyncEngine:
             target=self._run, args=(engine, built), name="longspark-engine", daemon=True
         )
         self._thread.start()
-        self.engine: Engine = built.result()  # set by the engine thread
+        built.result()  # self.engine is set by the engine thread; its build errors raise here
         self.tok: Tokenizer = self.engine.tok
 
     # -- asyncio side ---------------------------------------------------------------
