@@ -22,6 +22,7 @@ from target_actor.linear import inference_linear, rows_through
 
 class MarkovHead(nn.Module):
     w2t_q8 = None  # ``w2`` as int8 ``[V_d, r]`` rows (``DrafterNetwork.gemm_weights_int8``)
+    native_greedy = None  # ``greedy`` in one C call, with ``w2t_q8`` (``native_pass.py``)
 
     def __init__(self, vocab: int, rank: int) -> None:
         super().__init__()
@@ -44,6 +45,17 @@ class MarkovHead(nn.Module):
         if getattr(self, "_w2t_key", None) != key:
             self._w2t, self._w2t_key = self.w2.detach().t().contiguous(), key
         return self._w2t
+
+    def greedy(self, base: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts ``[n, k]``: slot by slot, the argmax of its base logits plus the
+        correction from the draft before it (the anchor for slot 1)."""
+        if self.native_greedy is not None and not torch.is_grad_enabled():
+            return self.native_greedy(base, anchor)
+        prev, tokens = anchor, []
+        for i in range(base.shape[1]):
+            prev = (base[:, i] + self(prev)).float().argmax(-1)
+            tokens.append(prev)
+        return torch.stack(tokens, 1)
 
     def teacher_forced(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Corrected logits ``[n, k, V_d]`` given the true previous tokens ``prev`` ``[n, k]``."""
@@ -84,10 +96,7 @@ def sample_block(
     if all_greedy is None:
         all_greedy = bool(greedy.all())
     if all_greedy:  # the loop below, for greedy rows only: what it draws, cheaper
-        for i in range(k):
-            prev = (base[:, i] + head(prev)).float().argmax(-1)
-            tokens.append(prev)
-        drafts = torch.stack(tokens, 1)
+        drafts = head.greedy(base, anchor)
         return drafts, (drafts[..., None] + offsets) % vocab, one_hot[:, None].expand(n, k, support)
     for i in range(k):
         logits = (base[:, i] + head(prev)).float() * inv_t.unsqueeze(-1)  # [n, V_d]

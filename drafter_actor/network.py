@@ -39,6 +39,7 @@ from torch import nn
 from drafter_actor.config import DrafterConfig
 from drafter_actor.context_copy import MAX_NGRAM
 from drafter_actor.markov import MarkovHead
+from drafter_actor.native_pass import NativeBlockPass, NativeMarkovGreedy
 from target_actor import native
 from target_actor.config import ModelConfig
 from target_actor.linear import Int8Linear, inference_linear, native_q4_lib, rows_through
@@ -289,6 +290,7 @@ class DrafterNetwork(nn.Module):
         self.rope = RotaryTable(target)
         self.lm_head_q8: Int8Linear | None = None  # set by gemm_weights_int8
         self.context_kv_q8: Int8Linear | None = None  # every layer's k, v: one GEMM (same)
+        self.native_pass: NativeBlockPass | None = None  # the block pass in one C call (same)
 
     @property
     def device(self) -> torch.device:
@@ -381,6 +383,8 @@ class DrafterNetwork(nn.Module):
         self.context_kv_q8 = Int8Linear(torch.cat(kv).data, planes=1)
         self.lm_head_q8 = Int8Linear(self.lm_head, planes=1)
         self.markov.w2t_q8 = Int8Linear(self.markov.w2.data.t(), planes=1)
+        self.markov.native_greedy = NativeMarkovGreedy.build(self.markov)
+        self.native_pass = NativeBlockPass.build(self)
 
     def gemm_weights_to(self, dtype: torch.dtype) -> None:
         """Cast only what the GEMMs read (linears, LM head, Markov ``W2``) to ``dtype``."""
@@ -456,6 +460,21 @@ class DrafterNetwork(nn.Module):
         for layer, ctx, g in zip(self.layers, contexts, self.summary_queries, strict=True):
             x = layer(x, cos, sin, ctx, g)
         return x
+
+    def block_logits(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        contexts: list[LayerContext],
+        top: int | None = None,
+    ) -> torch.Tensor:
+        """Block pass and LM head: embeddings ``[N, S, d]`` at ``positions`` -> base logits
+        ``[N, S - 1, V_d]`` of the MASK slots, in one C call where it applies (int8 GEMMs,
+        attention over ``refs``: ``native_pass.py``), else ``forward`` then ``logits``."""
+        if self.native_pass is not None and contexts[0].refs is not None:
+            cos, sin = self.rotary(positions, top)
+            return self.native_pass.logits(x, cos, sin, contexts)
+        return self.logits(self(x, positions, contexts, top=top)[:, 1:])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Base logits ``[..., V_d]`` over the draft vocabulary from hidden ``[..., d]``."""

@@ -25,7 +25,8 @@ from pathlib import Path
 
 log = logging.getLogger("longspark.target")
 
-SOURCES = ("common.h", "attention.c", "rowwise.c", "gemm.c", "q4.c", "decoder.c")
+HEADERS = ("common.h", "layer.h")
+SOURCES = (*HEADERS, "attention.c", "rowwise.c", "gemm.c", "q4.c", "decoder.c", "draft.c")
 LANES = 16  # head_dim must be a multiple of the kernels' vector width (csrc LANES)
 GEMM_CHANNELS = 4  # the GEMMs take out_features in multiples of this (csrc/gemm.c NB)
 GEMM_STEP = 32  # ... and in_features in multiples of this (csrc/gemm.c STEP)
@@ -111,6 +112,10 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
     # ls_decoder: layers, n, h, eps, T, hidden, cos, sin, heads, kv_heads, head_dim, scale,
     # then ls_attend's sequences, kv_bf16, nine scratch buffers, three tap pointer arrays
     decoder_args = [_PTR, _I64, _PTR, f32, _I64, _I64, _PTR, _PTR, i32, i32, i32, f32, _I64, *(_PTR,) * 5, i32, *(_PTR,) * 12]  # fmt: skip
+    # ls_draft_pass: layers, n, h, eps, sequences, S, hidden, cos, sin, heads, kv_heads,
+    # head_dim, scale, ls_draft_attend's context (ctx_k, ctx_v, mask, C, g, sum_m, sum_lam,
+    # R), norm, LM head tiles, scales, vocab, planes, base logits
+    draft_args = [_PTR, _I64, _PTR, f32, _I64, i32, _I64, _PTR, _PTR, i32, i32, i32, f32, *(_PTR,) * 3, i32, *(_PTR,) * 3, i32, *(_PTR,) * 3, _I64, i32, _PTR]  # fmt: skip
     signatures = {
         # q, k, v (+ row strides), out, sequences, base, cap, start, nnew, row0, layer,
         # heads, kv_heads, head_dim, scale
@@ -135,10 +140,13 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         "ls_gemm_w8": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, i32],
         "ls_gemm_q4_vnni": [],
         "ls_decoder": decoder_args,
+        "ls_draft_pass": draft_args,
+        # base, n, k, vocab, anchor, w1, rank, W2 tiles, scales, planes, tokens
+        "ls_markov_greedy": [_PTR, _I64, i32, _I64, _PTR, _PTR, _I64, _PTR, _PTR, i32, _PTR],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        returns_int = name.startswith(("ls_attend", "ls_draft", "ls_gemm", "ls_decoder"))
+        returns_int = not name.startswith(("ls_add", "ls_qkv", "ls_silu"))
         fn.restype = ctypes.c_int if returns_int else None
         fn.argtypes = argtypes
     return lib

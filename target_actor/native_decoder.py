@@ -22,7 +22,9 @@ _PTR = ctypes.c_void_p
 KIND_Q4, KIND_W8 = 0, 1  # csrc/decoder.c
 
 
-class _Layer(ctypes.Structure):
+class LayerStruct(ctypes.Structure):
+    """``ls_layer`` (``csrc/layer.h``): one layer's norms and GEMM weights by address."""
+
     _fields_ = [
         ("input_norm", _PTR),
         ("post_norm", _PTR),
@@ -38,7 +40,7 @@ class _Layer(ctypes.Structure):
     ]
 
 
-def _gemm_fields(lin: Linear) -> tuple[int, int, int, int | None, int, int, int] | None:
+def gemm_fields(lin: Linear) -> tuple[int, int, int, int | None, int, int, int] | None:
     """(kind, tiles, d, m, n, k, planes) of a linear on ``csrc/q4.c``'s kernels, or None."""
     if isinstance(lin, Int4Linear) and lin.lib is not None:
         w, d, m = lin.packed.data_ptr(), lin.d.data_ptr(), lin.m.data_ptr()
@@ -53,6 +55,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def fill_layer(entry: LayerStruct, norms: tuple, lins: tuple) -> bool:
+    """Point ``entry`` at a layer's fp32 norms (input, post, q, k; None: absent) and its
+    four linears (qkv, o, gate_up, down); False when one of them cannot go to C."""
+    fields = [gemm_fields(lin) for lin in lins]
+    if any(f is None for f in fields) or norms[0].dtype != torch.float32:
+        return False
+    entry.input_norm, entry.post_norm, entry.q_norm, entry.k_norm = (_ptr(t) for t in norms)
+    for g, (kind, w, d, m, n, k, planes) in enumerate(fields):
+        entry.kind[g], entry.w[g], entry.d[g], entry.m[g] = kind, w, d, m
+        entry.n[g], entry.k[g], entry.planes[g] = n, k, planes
+    return True
+
+
 class NativeDecoder:
     """Every layer's weights as ``csrc/decoder.c`` reads them, or ``build`` says None when
     a layer cannot go there. Built after the weights are prepared; it points into them."""
@@ -64,19 +79,14 @@ class NativeDecoder:
     def build(cls, lib, model) -> NativeDecoder | None:
         if lib is None or model.tp.enabled:
             return None
-        layers = (_Layer * len(model.layers))()
+        layers = (LayerStruct * len(model.layers))()
         for entry, layer in zip(layers, model.layers, strict=True):
             if layer.qkv_bias is not None or layer.o_bias is not None:
                 return None
+            norms = (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
             lins = (layer.lin_qkv, layer.lin_o, layer.lin_gate_up, layer.lin_down)
-            fields = [_gemm_fields(lin) for lin in lins]
-            if any(f is None for f in fields) or layer.input_norm.dtype != torch.float32:
+            if not fill_layer(entry, norms, lins):
                 return None
-            entry.input_norm, entry.post_norm = _ptr(layer.input_norm), _ptr(layer.post_norm)
-            entry.q_norm, entry.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
-            for g, (kind, w, d, m, n, k, planes) in enumerate(fields):
-                entry.kind[g], entry.w[g], entry.d[g], entry.m[g] = kind, w, d, m
-                entry.n[g], entry.k[g], entry.planes[g] = n, k, planes
         return cls(lib, layers)
 
     def run(self, model, h, cos, sin, plan, taps: bool):

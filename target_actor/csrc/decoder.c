@@ -6,42 +6,12 @@
  * Python calls a layer (and, in a process that also streams, the GIL they take). */
 #include <stdlib.h>
 
-#include "common.h"
+#include "layer.h"
 
-void ls_add_rms_norm(float *h, const void *y, int y_bf16, const float *w, float eps, void *out,
-                     int out_bf16, int64_t rows, int64_t n);
-void ls_qkv_rope(const void *qkv, int qkv_bf16, int64_t stride, const float *bias,
-                 const float *qn, const float *kn, float eps, const float *cos, const float *sin,
-                 float *q, float *k, float *v, int64_t rows, int heads, int kv_heads, int d);
-void ls_silu_mul(const void *gu, int gu_bf16, void *out, int out_bf16, int64_t rows, int64_t n);
 int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
               const float *v, int64_t v_stride, float *out, int64_t nseq, const int64_t *base,
               const int64_t *cap, const int64_t *start, const int64_t *nnew, const int64_t *row0,
               int64_t layer, int heads, int kv_heads, int d, float scale, int kv_bf16);
-int ls_gemm_q4(const float *x, int64_t M, int64_t K, const uint8_t *wq, const uint16_t *d,
-               const uint16_t *m, int64_t N, float *y, int planes);
-int ls_gemm_w8(const float *x, int64_t M, int64_t K, const uint8_t *wq, const uint16_t *d,
-               int64_t N, float *y, int planes);
-
-enum { QKV, O, GATE_UP, DOWN };
-enum { KIND_Q4 = 0, KIND_W8 = 1 };
-
-/* One layer's weights (target_actor/native_decoder.py fills these): the norms, and per
- * GEMM (qkv, o, gate_up, down) its kind, tiles, scales d (and m for Q4_1), [n, k] and
- * activation planes. */
-typedef struct {
-    const float *input_norm, *post_norm, *q_norm, *k_norm;
-    const uint8_t *w[4];
-    const uint16_t *d[4], *m[4];
-    int64_t n[4], k[4], kind[4], planes[4];
-} ls_layer;
-
-static int gemm(const ls_layer *L, int g, const float *x, int64_t rows, float *y) {
-    if (L->kind[g] == KIND_Q4)
-        return ls_gemm_q4(x, rows, L->k[g], L->w[g], L->d[g], L->m[g], L->n[g], y,
-                          (int)L->planes[g]);
-    return ls_gemm_w8(x, rows, L->k[g], L->w[g], L->d[g], L->n[g], y, (int)L->planes[g]);
-}
 
 /* h [T, hidden] fp32, the residual stream before layer 0, updated in place; on return y
  * [T, hidden] holds the last layer's output, still to be added to h (as the Python loop
@@ -61,17 +31,17 @@ int ls_decoder(const ls_layer *layers, int64_t nlayers, float *h, float eps, int
     for (int64_t i = 0; i < nlayers; i++) {
         const ls_layer *L = layers + i;
         ls_add_rms_norm(h, i ? y : NULL, 0, L->input_norm, eps, x, 0, T, hidden);
-        if ((rc = gemm(L, QKV, x, T, qkv))) return rc;
+        if ((rc = layer_gemm(L, QKV, x, T, qkv))) return rc;
         ls_qkv_rope(qkv, 0, L->n[QKV], NULL, L->q_norm, L->k_norm, eps, cos, sin, q, k, v, T,
                     heads, kv_heads, hd);
         rc = ls_attend(q, nq, k, nkv, v, nkv, attn, nseq, base, cap, start, nnew, row0, i, heads,
                        kv_heads, hd, scale, kv_bf16);
         if (rc) return rc;
-        if ((rc = gemm(L, O, attn, T, y))) return rc;
+        if ((rc = layer_gemm(L, O, attn, T, y))) return rc;
         ls_add_rms_norm(h, y, 0, L->post_norm, eps, x, 0, T, hidden);
-        if ((rc = gemm(L, GATE_UP, x, T, gu))) return rc;
+        if ((rc = layer_gemm(L, GATE_UP, x, T, gu))) return rc;
         ls_silu_mul(gu, 0, act, 0, T, L->n[GATE_UP] / 2);
-        if ((rc = gemm(L, DOWN, act, T, y))) return rc;
+        if ((rc = layer_gemm(L, DOWN, act, T, y))) return rc;
         if (tap_h && tap_h[i]) {
             for (int64_t j = 0; j < T * hidden; j++) tap_h[i][j] = h[j] + y[j];
             memcpy(tap_k[i], k, sizeof(float) * T * nkv);

@@ -16,6 +16,7 @@ from drafter_actor.drafter import Drafter
 from drafter_actor.worker import DrafterSpec, DrafterWorker
 from target_actor.config import ModelConfig
 from target_actor.linear import native_q4_lib
+from target_actor.messages import PrefillViews
 from tests.conftest import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -74,3 +75,73 @@ def test_int8_needs_fitting_shapes(tmp_path):
 
     with pytest.raises(DrafterConfigError, match="VNNI"):
         Drafter.random(odd, seed=0).quantize_int8()
+
+
+def _prefill(drafter: Drafter, seq_ids: list[int], length: int = 40) -> None:
+    """Random views for ``seq_ids`` (the block pass reads them as they are)."""
+    cfg, gen = drafter.cfg, torch.Generator().manual_seed(sum(seq_ids))
+    t, L, w = cfg.target, cfg.num_layers, min(cfg.window, length)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    drafter.prefill([
+        PrefillViews(
+            seq_id=s, length=length,
+            window_k=rand(L, w, t.num_kv_heads, t.head_dim),
+            window_v=rand(L, w, t.num_kv_heads, t.head_dim),
+            summary_m=rand(L, t.num_heads, cfg.summary_slots, t.head_dim),
+            summary_lam=rand(L, t.num_heads, cfg.summary_slots),
+            boundary=rand(L, t.hidden_size),
+        )
+        for s in seq_ids
+    ])  # fmt: skip
+
+
+def _block_logits(drafter: Drafter, seq_ids: list[int], x: torch.Tensor) -> torch.Tensor:
+    states = [drafter.state(s) for s in seq_ids]
+    positions = torch.tensor([s.length for s in states])[:, None] + torch.arange(x.shape[1])
+    with torch.no_grad():
+        return drafter.net.block_logits(x, positions, drafter._contexts(states))
+
+
+def test_the_block_pass_in_one_c_call_computes_the_python_paths_logits(target):
+    drafter = _drafter(target).quantize_int8()
+    net = drafter.net
+    assert net.native_pass is not None and net.markov.native_greedy is not None
+    _prefill(drafter, [1, 2])
+    x = torch.randn(
+        2, 5, drafter.cfg.target.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
+    got = _block_logits(drafter, [1, 2], x)
+    # one sequence alone: the same bits as in the batch (every kernel works row by row)
+    assert torch.equal(_block_logits(drafter, [2], x[1:]), got[1:])
+    native, net.native_pass = net.native_pass, None  # the Python path: layers, then logits
+    want = _block_logits(drafter, [1, 2], x)
+    net.native_pass = native
+    assert got.shape == want.shape == (2, 4, drafter.cfg.draft_vocab_size)
+    # the same int8 weights and kernels; SiLU and RoPE round their own way in C
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_the_markov_heads_greedy_draft_in_c_is_the_loops():
+    from drafter_actor.markov import MarkovHead
+    from drafter_actor.native_pass import NativeMarkovGreedy
+    from target_actor.linear import Int8Linear
+
+    gen = torch.Generator().manual_seed(1)
+    head = MarkovHead(64, 32).requires_grad_(False)
+    head.w1.copy_(torch.randn(65, 32, generator=gen))
+    head.w2.copy_(torch.randn(32, 64, generator=gen))
+    head.w2[:, 9] = head.w2[:, 7]  # with base below, a tie at slot 1 of sequence 0
+    head.w2t_q8 = Int8Linear(head.w2.data.t(), planes=1)
+    base = torch.randn(3, 5, 64, generator=gen)
+    base[0, 0, 7] = base[0, 0, 9] = 1e4  # the first of equal maxima wins, as in torch
+    anchor = torch.tensor([64, 3, 17])  # 64: the out-of-vocabulary row
+    with torch.no_grad():
+        want = head.greedy(base, anchor)
+        head.native_greedy = NativeMarkovGreedy.build(head)
+        got = head.greedy(base, anchor)
+    assert head.native_greedy is not None
+    assert torch.equal(got, want) and got[0, 0] == 7
