@@ -67,6 +67,17 @@ class ServedPeersConfig:
     stream_interval: int = 1  # ours and vLLM's: stream every N tokens (llama.cpp: always 1)
     target_process: str = "auto"  # ours: the rank in the replica (tp 1) or in Ray actors
     log_dir: Path | None = None  # servers' logs; default $LONGSPARK_HOME/logs
+    # llama.cpp's extra CPU buffer types (AMX, repacking); off where the CPU has AMX,
+    # whose llama.cpp matmul crashes on the Q4_1 file (services/bench/llama_server.py)
+    llama_extra_bufts: bool = field(default_factory=lambda: not _host_has_amx())
+
+
+def _host_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("flags") and "amx_int8" in ln.split() for ln in f)
+    except OSError:
+        return False
 
 
 def _free_port() -> int:
@@ -95,7 +106,9 @@ def _command(system: str, cfg: ServedPeersConfig, port: int) -> tuple[list[str],
         return [*cmd, "--stream-interval", str(cfg.stream_interval)], env
     if system == "llamacpp":
         python = str(cfg.llama_venv / "bin" / "python")
-        cmd = [python, "-m", "llama_cpp.server", "--port", str(port), "--host", "127.0.0.1"]
+        cmd = [python, str(Path(__file__).with_name("llama_server.py"))]
+        cmd += [] if cfg.llama_extra_bufts else ["--no-extra-bufts"]
+        cmd += ["--port", str(port), "--host", "127.0.0.1"]
         cmd += ["--model", str(fetch_default_gguf()), "--n_ctx", "4096"]
         # it runs one request at a time; by default a new request interrupts the running one
         return [*cmd, "--n_threads", str(cfg.threads), "--interrupt_requests", "False"], env
@@ -388,6 +401,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
             "ours": {"dtype": cfg.dtype, "quant": cfg.quant, "target_process": cfg.target_process},
             "vllm_dtype": cfg.vllm_dtype,
             "llamacpp_file": "the default model's Q4_1 GGUF",
+            "llamacpp_extra_bufts": cfg.llama_extra_bufts,
         },
         "systems": systems,
         "skipped": skipped,
