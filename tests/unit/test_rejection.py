@@ -145,6 +145,27 @@ def test_k_zero():
     assert result.committed == [[5], [6]]
 
 
+def test_a_plain_greedy_round_takes_the_general_paths_tokens():
+    """Rounds without drafts, every sequence greedy, take a short path: the same result as
+    the general one (here forced by one sampled sequence in the batch)."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, VOCAB, generator=gen)
+    logits[1, 3] = logits[1, 4] = logits[1].max() + 1  # a tie: the first index, as argmax
+    empty = Proposal(
+        torch.empty(5, 0, dtype=torch.long),
+        torch.empty(5, 0, 3, dtype=torch.long),
+        torch.empty(5, 0, 3),
+    )
+    fast = rejection_sample(logits, empty, [GREEDY] * 5, [None] * 5)
+    sampled = SamplingParams(temperature=1.0, seed=1)
+    params, gens = [GREEDY] * 4 + [sampled], [None] * 4 + [sampled.generator()]
+    general = rejection_sample(logits, empty, params, gens)
+    assert fast.committed[:4] == general.committed[:4] and fast.committed[1] == [3]
+    assert fast.num_accepted.tolist() == [0] * 5 and bool(fast.bonus.all())
+    dense = rejection_sample(logits[:, None], empty, [GREEDY] * 5, [None] * 5)
+    assert dense.committed == fast.committed
+
+
 def test_shape_asserts():
     logits = forced_logits([[1, 2, 3]])
     with pytest.raises(AssertionError):  # k from logits is 2, proposal has 3 slots
