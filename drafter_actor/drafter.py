@@ -34,6 +34,7 @@ from drafter_actor.network import ContextRefs, DrafterNetwork, LayerContext
 from drafter_actor.state import DrafterStateError, SequenceState
 from target_actor import native
 from target_actor.config import ModelConfig
+from target_actor.linear import rows_through
 from target_actor.messages import (
     DraftRequest,
     PrefillViews,
@@ -353,6 +354,27 @@ class Drafter:
             )
         return state
 
+    def _native_contexts(
+        self, states: list[SequenceState], feats: torch.Tensor, pos: torch.Tensor, top: int
+    ) -> list[LayerContext]:
+        """``_contexts`` on the host's C kernels (int8 GEMMs; no carry rows, no key norm):
+        the fused boundary states ``feats`` ``[n, d]`` at ``pos`` ``[n]`` through every
+        layer's K/V in one GEMM, then RoPE'd and written into each sequence's buffer by one
+        C call."""
+        net, t, L = self.net, self.cfg.target, self.cfg.num_layers
+        kv = rows_through(net.context_kv_q8, feats)  # [n, L * 2 * H_kv * hd]
+        cos, sin = (x.float().contiguous() for x in net.rotary(pos, top))  # [n, hd]
+        refs = ContextRefs.of(
+            [(s.context_k, s.context_v, s.summary_m, s.summary_lam) for s in states]
+        )
+        native.library().ls_draft_context_rows(
+            kv.data_ptr(), cos.data_ptr(), sin.data_ptr(), len(states), L, t.num_kv_heads,
+            t.head_dim, refs.k.data_ptr(), refs.v.data_ptr(), refs.rows, states[0].ring_rows,
+        )  # fmt: skip
+        boundary = torch.ones(len(states), 1, dtype=torch.bool, device=self.device)
+        mask = torch.cat([torch.stack([s.window_mask() for s in states]), boundary], 1)
+        return [LayerContext(None, None, mask, refs=refs, layer=i) for i in range(L)]
+
     def _contexts(self, states: list[SequenceState]) -> list[LayerContext]:
         """Stack the sequences' views into each layer's fixed-layout context."""
         net, L, dev = self.net, self.cfg.num_layers, self.device
@@ -361,6 +383,9 @@ class Drafter:
         feats = net.fuse(torch.stack([s.boundary for s in states])).unsqueeze(1)  # [n, 1, d]
         pos = (length - 1).unsqueeze(1)  # [n, 1]: the boundary position
         top = max(lengths) - 1  # the largest position, known without a sync
+        native_rows = not (self.cfg.carry or self.cfg.qk_norm) and net.context_kv_q8 is not None
+        if self._native_attention and native_rows:
+            return self._native_contexts(states, feats.squeeze(1), length - 1, top)
         mask = torch.ones(len(states), 1, dtype=torch.bool, device=dev)
         if self.cfg.carry:
             carry = net.carry_features(torch.stack([s.carry for s in states]))  # [n, k_max, d]

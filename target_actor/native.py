@@ -141,12 +141,14 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         "ls_gemm_q4_vnni": [],
         "ls_decoder": decoder_args,
         "ls_draft_pass": draft_args,
+        # rows, cos, sin, n, layers, kv_heads, head_dim, k / v buffer addresses, C, row
+        "ls_draft_context_rows": [*(_PTR,) * 3, _I64, i32, i32, i32, _PTR, _PTR, i32, i32],
         # base, n, k, vocab, anchor, w1, rank, W2 tiles, scales, planes, tokens
         "ls_markov_greedy": [_PTR, _I64, i32, _I64, _PTR, _PTR, _I64, _PTR, _PTR, i32, _PTR],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        returns_int = not name.startswith(("ls_add", "ls_qkv", "ls_silu"))
+        returns_int = not name.startswith(("ls_add", "ls_qkv", "ls_silu", "ls_draft_context"))
         fn.restype = ctypes.c_int if returns_int else None
         fn.argtypes = argtypes
     return lib

@@ -126,3 +126,29 @@ int ls_markov_greedy(const float *base, int64_t n, int k, int64_t vocab, const i
     free(rows);
     return rc;
 }
+
+/* The round's context row of each sequence (its boundary state), as the drafter's context
+ * K/V GEMM gives it: rows [n, layers, 2, kv_heads * hd] (every layer's K, then V). RoPE
+ * on the keys at each sequence's position (cos / sin [n, hd]), then K and V go into the
+ * sequence's context buffers (k_addr[i], v_addr[i]: [layers, kv_heads, C, hd] fp32) at
+ * row `at`, right after the window ring, where ls_draft_attend reads them. */
+void ls_draft_context_rows(const float *rows, const float *cos, const float *sin, int64_t n,
+                           int layers, int kv_heads, int hd, const int64_t *k_addr,
+                           const int64_t *v_addr, int C, int at) {
+    const int64_t width = (int64_t)kv_heads * hd, half = hd / 2;
+    for (int64_t i = 0; i < n; i++) {
+        float *kb = (float *)(intptr_t)k_addr[i], *vb = (float *)(intptr_t)v_addr[i];
+        const float *c = cos + i * hd, *s = sin + i * hd;
+        for (int l = 0; l < layers; l++) {
+            const float *k = rows + ((i * layers + l) * 2) * width, *v = k + width;
+            for (int j = 0; j < kv_heads; j++) {
+                const float *x = k + (int64_t)j * hd;
+                float *ko = kb + (((int64_t)l * kv_heads + j) * C + at) * hd;
+                float *vo = vb + (((int64_t)l * kv_heads + j) * C + at) * hd;
+                for (int64_t t = 0; t < half; t++) ko[t] = x[t] * c[t] - x[t + half] * s[t];
+                for (int64_t t = half; t < hd; t++) ko[t] = x[t] * c[t] + x[t - half] * s[t];
+                memcpy(vo, v + (int64_t)j * hd, sizeof(float) * (size_t)hd);
+            }
+        }
+    }
+}

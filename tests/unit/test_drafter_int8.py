@@ -145,3 +145,24 @@ def test_the_markov_heads_greedy_draft_in_c_is_the_loops():
         got = head.greedy(base, anchor)
     assert head.native_greedy is not None
     assert torch.equal(got, want) and got[0, 0] == 7
+
+
+def test_the_context_rows_in_c_are_the_torch_projection(target):
+    """The round's boundary row of each sequence, K/V by one GEMM, RoPE and the write into
+    its buffer in C: what ``project_context`` gives in torch, after the window ring."""
+    drafter = _drafter(target, carry=False).quantize_int8()
+    _prefill(drafter, [1, 2], length=30)
+    states = [drafter.state(1), drafter.state(2)]
+    net, W = drafter.net, states[0].ring_rows
+    with torch.no_grad():  # as propose runs (with gradients the GEMMs are the fp32 ones)
+        contexts = drafter._contexts(states)
+        feats = net.fuse(torch.stack([s.boundary for s in states])).unsqueeze(1)
+        pos = torch.tensor([[s.length - 1] for s in states])
+        want = net.project_context(feats, pos)  # L x ([n, H_kv, 1, hd], same)
+    for i, s in enumerate(states):
+        for layer, (k, v) in enumerate(want):
+            torch.testing.assert_close(s.context_k[layer, :, W], k[i, :, 0], rtol=1e-6, atol=1e-6)
+            assert torch.equal(s.context_v[layer, :, W], v[i, :, 0])
+    assert contexts[0].refs is not None and contexts[0].mask.shape == (2, W + 1)
+    assert contexts[0].mask[:, :30].all() and not contexts[0].mask[:, 30:W].any()
+    assert contexts[0].mask[:, W].all()
