@@ -81,8 +81,8 @@ def draft_block(
     positions = start.unsqueeze(1) + torch.arange(k + 1, device=dev)  # [n, k+1]: anchor first
     top = max(r.position for r in requests) + k  # the largest position, known without a sync
     x = net.embed_block(anchors, k, boundary, copies)
-    base = net.block_logits(x, positions, contexts, top)  # [n, k, V_d]: MASK slot i
-    # predicts the token at position + i
+    # [n, k, V_d]: MASK slot i predicts the token at position + i
+    base = net.block_logits(x, positions, contexts, top)
     uniforms = draw_uniforms(generators, temps, k, dev)  # [n, k]
     tokens, q_ids, q_probs = sample_block(
         base,
