@@ -57,6 +57,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="stream every N tokens; the first goes at once (default: 1, every token)",
     )
     http.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
+    http.add_argument(
+        "--no-direct-ingress",
+        action="store_true",
+        help="route HTTP through Serve's proxy even with one replica (by default one replica"
+        " with the API inside it serves the port itself: no proxy hop per streamed chunk)",
+    )
     model = p.add_argument_group("model and engine")
     model.add_argument("--target", default=None, help="local HF folder (default: SmolLM2-135M)")
     model.add_argument("--tp", type=_positive_int, default=None, help="target TP degree")

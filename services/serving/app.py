@@ -173,6 +173,8 @@ class EngineReplica:
             "replica": serve.get_replica_context().replica_tag,
             "replica_pid": os.getpid(),
             "admissions": dict(self.admissions),
+            # HTTP served by this replica itself (``longspark serve`` with one replica)
+            "direct_ingress": os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1",
         }
         target = self.engine.engine.target
         # a rank computing in the replica has the replica's process

@@ -1,5 +1,10 @@
 """``longspark serve``: start a local Ray, deploy the app, serve until Ctrl-C / SIGTERM.
 
+With one engine replica and the API inside it (the default), the replica serves the port
+itself (Ray Serve's direct ingress): a streamed chunk then goes from the replica to the
+socket, not through Serve's proxy process as well (``direct_ingress``). With autoscaling
+or a separate API deployment, Serve's proxy takes the port and routes.
+
 SIGTERM drains first: new requests get 503 (``Retry-After``), in-flight ones finish within
 ``--grace-period`` seconds, then Serve and Ray shut down and the process exits. A second
 SIGTERM, or Ctrl-C, stops at once.
@@ -89,6 +94,25 @@ def settings_from(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
     return app_args, host, int(port)
 
 
+def direct_ingress(cfg: Any, args: argparse.Namespace) -> bool:
+    """Whether the replica serves the port itself: one fixed replica, API inside it."""
+    one = cfg.min_replicas == cfg.max_replicas == 1
+    return one and cfg.ingress == "replica" and not getattr(args, "no_direct_ingress", False)
+
+
+def enable_direct_ingress(port: int) -> None:
+    """Have the Ray processes started after this serve HTTP from the ingress replica on
+    ``port`` (they inherit the environment). Serve hands replicas ports from
+    ``[MIN, MAX)``: exactly ``port`` here. A replica that replaces a dead one takes the
+    port at once (no quarantine: the old process and its socket are gone). Serve's proxy
+    still starts (with the HTTP server off there would be none on the replica either), on
+    a port of its own that nothing uses."""
+    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] = str(port)
+    os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(port + 1)
+    os.environ["RAY_SERVE_PORT_QUARANTINE_S"] = "0"
+
+
 def run_server(args: argparse.Namespace) -> None:
     import ray
     from pydantic import ValidationError
@@ -123,6 +147,12 @@ def run_server(args: argparse.Namespace) -> None:
     # Serve's proxy answers header values that are not UTF-8 with a bare 500 before the app
     # runs; this guard (inherited by the proxy through Ray's processes) answers a 400
     proxy_guard.install()
+    proxy_port = port
+    if direct_ingress(cfg, args):
+        from services.serving.local import free_port
+
+        enable_direct_ingress(port)
+        proxy_port = free_port()
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=dashboard,
@@ -135,7 +165,8 @@ def run_server(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: (force if stop.is_set() else stop).set())
     try:
         serve.start(
-            http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"}
+            http_options={"host": host, "port": proxy_port},
+            logging_config={"log_level": "WARNING"},
         )
         drain_signal = create_signal(APP_NAME)
         print(f"Deploying {cfg.model_name} (this loads the model in each replica)...", flush=True)

@@ -1,4 +1,5 @@
-"""SIGTERM to ``longspark serve``: stop admitting (503), finish in-flight requests, exit.
+"""``longspark serve`` as a user runs it: one replica serving its port itself, replaced
+when it dies; SIGTERM: stop admitting (503), finish in-flight requests, exit.
 
 On the way, the same server shows Serve's back-pressure as 429 with ``Retry-After`` and
 the request id under Serve's proxy.
@@ -12,6 +13,7 @@ while the stream runs to its end, and the process must then exit by itself, clea
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -19,12 +21,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from tests.conftest import make_tiny_chat_model
-from tests.serving_helpers import free_port
+from tests.serving_helpers import engine_stats, free_port
 
 pytestmark = pytest.mark.ray
 
@@ -67,6 +70,48 @@ def server_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
         log.close()
+
+
+def test_one_replica_serves_the_port_itself_and_its_replacement_takes_it_back(server_process):
+    """Direct ingress (``longspark serve`` with one replica): the replica answers on the
+    port, and after it dies the replica Serve starts in its place serves the same port."""
+    proc, url, log = server_process
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    first = engine_stats(url)
+    assert first["direct_ingress"] is True
+    before = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert before.status_code == 200, before.text
+    # the proxy's guard (api.proxy_guard) stands in front of the replica's server as well
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    raw = json.dumps(body).encode()
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in [
+        ("Content-Type", b"application/json"),
+        ("Content-Length", str(len(raw)).encode()),
+        ("X-Request-Id", b"\xff\xfe\x80"),
+    ]:
+        conn.putheader(name, value)
+    conn.endheaders(raw)
+    bad = conn.getresponse()
+    assert bad.status == 400 and json.loads(bad.read())["error"]["code"] == "invalid_header"
+    conn.close()
+    os.kill(first["replica_pid"], signal.SIGKILL)
+    deadline, after = time.monotonic() + 240, None
+    while time.monotonic() < deadline and after is None:
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            if r.status_code == 200:
+                after = r
+            else:  # the dying replica's last answers: unavailable, never a bare 500
+                assert r.status_code == 503, r.text
+        except httpx.TransportError:  # between the two replicas nothing listens
+            pass
+        time.sleep(1.0)
+    assert after is not None, log.read_text()[-3000:]
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    assert engine_stats(url)["replica_pid"] != first["replica_pid"]
+    assert proc.poll() is None
 
 
 def test_sigterm_drains_then_exits(server_process):

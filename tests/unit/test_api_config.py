@@ -124,6 +124,20 @@ def test_cli_defaults_come_from_local_cpu_yaml_and_options_override():
         ServeArgs(tp=2, target_process="replica")
 
 
+def test_direct_ingress_with_one_replica_holding_the_api_only():
+    from services.cli.main import build_parser
+    from services.serving.launch import direct_ingress
+
+    def direct(*options: str) -> bool:
+        args = build_parser().parse_args(["serve", *options])
+        return direct_ingress(ServeArgs.model_validate(settings_from(args)[0]), args)
+
+    assert direct()  # the defaults: one replica, the API inside it
+    assert not direct("--max-replicas", "2")  # the proxy balances over replicas
+    assert not direct("--ingress", "separate")
+    assert not direct("--no-direct-ingress")
+
+
 def test_serve_args_resolution(tiny_checkpoints, monkeypatch):
     path = str(tiny_checkpoints["qwen3"])
     monkeypatch.setenv(API_KEY_ENV, "from-env")
