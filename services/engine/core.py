@@ -346,7 +346,8 @@ class Engine:
         idempotent: the KV cache restarts at 0, generators and drafter views are made anew."""
         if not seqs:
             return
-        with_drafter = self.planner.admit(seqs)  # decided once: retried parts keep it
+        # decided once: retried parts keep it
+        with_drafter = self.planner.admit(seqs, len(self.scheduler.running))
         try:
             self._prefill_batch(seqs, with_drafter)
         except Exception as exc:  # noqa: BLE001 - contained per sequence unless fatal
@@ -402,7 +403,7 @@ class Engine:
         round goes on from their last token as the uninterrupted run would have."""
         if not seqs:
             return
-        with_drafter = self.planner.admit(seqs)
+        with_drafter = self.planner.admit(seqs, len(self.scheduler.running))
         try:
             self._resume_batch(seqs, with_drafter)
         except Exception as exc:  # noqa: BLE001 - contained per sequence unless fatal

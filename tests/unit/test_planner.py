@@ -57,9 +57,40 @@ def test_while_aside_new_sequences_start_plain_except_a_probe_now_and_then():
     admitted = []
     for i in range(1, 5):
         planner.plan([seq(0)])
-        admitted.append(planner.admit([seq(i)]))
+        admitted.append(planner.admit([seq(i)], batch=2))
     assert admitted == [False, True, False, False]  # one probe batch every 3 rounds
     assert stats.drafter_probes == 1 and planner.policy.explored
+
+
+class PaysAtOne:
+    """A policy awake, whose measurements say drafting pays at batch size 1 only."""
+
+    idle = False
+
+    def choose(self, batch: int) -> int:
+        return 4 if batch == 1 else 0
+
+    def pays_at(self, batch: int) -> bool:
+        return batch == 1
+
+    def explore_next(self) -> None:
+        self.explored = True
+
+
+def test_sequences_admitted_where_drafting_loses_start_plain_except_a_probe_now_and_then():
+    stats = EngineStats()
+    planner = RoundPlanner(4, 100, stats, drafter=True, adaptive=True, probe_every=3)
+    planner.policy = PaysAtOne()
+    assert planner.admit([seq(0)], batch=1)  # alone: drafting pays
+    admitted = []
+    for i in range(1, 5):
+        planner.plan([seq(0), seq(9)])
+        admitted.append(planner.admit([seq(i)], batch=3))
+    assert admitted == [False, False, True, False]  # a probe after 3 rounds without one
+    assert stats.drafter_probes == 1 and planner.policy.explored
+    seeded = seq(7, temperature=1.0, seed=3)  # seeded sampling keeps a fixed k: it needs state
+    assert planner.admit([seeded], batch=3)
+    assert not planner.asleep and planner.plan([seq(0)]).put_aside == []
 
 
 def test_an_exploration_copy_is_drafted_but_not_priced_into_the_plain_option():

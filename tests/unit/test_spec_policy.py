@@ -82,6 +82,9 @@ def test_compute_bound_large_batches_draft_less_than_small_ones():
     assert 0.5 < policy.acceptance()[0] < 0.7
     assert policy.choose(1) > 0  # C=1: a verify block is cheap, speculate
     assert policy.choose(32) == 0  # C=32: k+1 rows per sequence cost k+1 steps, do not
+    # what the engine asks before it gives new sequences drafter state
+    assert policy.pays_at(1) and not policy.pays_at(32)
+    assert SpecPolicy(k_max=7).pays_at(32)  # nothing measured: speculate, which measures
 
 
 def geometric(rng: random.Random, alpha: float, k: int) -> int:

@@ -11,6 +11,10 @@ Behind those two calls sit all the choices speculation makes:
   drafter state (``RoundPlan.put_aside``, the engine frees it) and new ones start without
   it, except one probe batch every ``probe_every`` rounds, which drafts once so the policy
   re-measures acceptance;
+* **no drafter state for sequences admitted where drafting loses**: at the batch size an
+  admission makes, if the policy's measurements say plain rounds win there
+  (``SpecPolicy.pays_at``), the new sequences start plain (probes aside), so a loaded
+  server does not build views and ship updates for a drafter it will not use;
 * **seeded sampled requests** draft a fixed k to the end: which random numbers their tokens
   use depends on the draft lengths, and the adaptive k follows timings, so only a fixed k
   makes the same seed give the same text. They never copy.
@@ -72,6 +76,7 @@ class RoundPlanner:
             copies = self._plan_copies(running)
             k = self.policy.choose(len(running))
             put_aside = self._sleep_or_wake(running)
+            self.since_probe += 1
         num_draft = [self._num_draft(s, k, drafting) for s in running]
         return RoundPlan(k, num_draft, copies, put_aside)
 
@@ -97,11 +102,15 @@ class RoundPlanner:
     def has_state(self, seq_id: int) -> bool:
         return self.drafter and seq_id not in self.plain_only
 
-    def admit(self, seqs: list[Sequence]) -> bool:
-        """Whether new sequences get drafter state (always, unless the drafter is aside)."""
+    def admit(self, seqs: list[Sequence], batch: int) -> bool:
+        """Whether new sequences, admitted into a batch of ``batch`` running sequences
+        (themselves included), get drafter state: unless the drafter is aside or drafting
+        does not pay at that batch size, when only a probe batch now and then does."""
         if not self.drafter:
             return False
-        if not self.asleep or any(keeps_k(s) for s in seqs):
+        if any(keeps_k(s) for s in seqs):
+            return True
+        if not self.asleep and (self.policy is None or self.policy.pays_at(batch)):
             return True
         if self.since_probe < self.probe_every:
             return False
@@ -155,7 +164,6 @@ class RoundPlanner:
             self.asleep, self.since_probe = True, 0
             self.stats.drafter_sleeps += 1
             log.info("drafting does not pay here: drafter put aside")
-        self.since_probe += 1
         drop = [
             s.seq_id
             for s in running

@@ -283,6 +283,17 @@ class SpecPolicy:
             return False
         return net.rate < plain.rate
 
+    def pays_at(self, batch: int) -> bool:
+        """Whether drafting is expected to pay in rounds of ``batch`` sequences: nothing
+        measured yet (speculating measures), or the best ``k > 0`` beats a plain round and
+        rounds with the network have not lately lost at this batch size. The engine asks
+        before it gives new sequences drafter state: a sequence admitted into a batch where
+        drafting loses would only cost the drafter's views and updates."""
+        if not (self.verify.known and self.draft.known) or self.verify.spread < 1.0:
+            return True
+        best = max((k for k in self._choices() if k), key=lambda k: self._rate(batch, k))
+        return self._rate(batch, best) > self._rate(batch, 0) and not self._drafting_lost(batch)
+
     @property
     def idle(self) -> bool:
         """Drafting has not paid for ``sleep_after`` rounds: the drafter may be put aside."""
