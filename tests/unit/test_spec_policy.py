@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.engine.adaptive.policy import LinearCost, SpecPolicy
+from services.engine.adaptive.policy import LinearCost, RealizedRate, SpecPolicy
 from services.engine.core import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from target_actor.runner import TargetSpec
@@ -259,3 +259,13 @@ def misled_policy(realized_min: float) -> list[int]:
 def test_drafting_that_realized_less_than_plain_rounds_stops_though_the_model_disagrees():
     assert misled_policy(realized_min=2).count(0) >= 30  # plain, but for explorations
     assert misled_policy(realized_min=math.inf).count(0) <= 10  # the model alone drafts
+
+
+def test_drafting_that_lost_at_a_batch_size_is_not_tried_again_at_a_larger_one():
+    policy = SpecPolicy(k_max=7)
+    policy.realized = {(True, 4): RealizedRate(), (False, 4): RealizedRate()}
+    for _ in range(3):
+        policy.realized[(True, 4)].observe(8, 0.1)  # 80 tokens/s with the network
+        policy.realized[(False, 4)].observe(4, 0.04)  # 100 without
+    assert policy._drafting_lost(4) and policy._drafting_lost(9)
+    assert not policy._drafting_lost(2)  # a smaller batch may still gain

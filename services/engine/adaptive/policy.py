@@ -273,15 +273,23 @@ class SpecPolicy:
 
     def _drafting_lost(self, batch: int) -> bool:
         """Whether rounds with the network have lately committed fewer tokens a second than
-        rounds without it, at this batch size. The models price a round from lines fitted
-        across batch sizes and draft lengths, and a batch that grew (a server ramping from
-        1 to 8 requests) or a plain option that changed (context copies) can leave them
-        wrong for a few hundred rounds, while the realized rates are what the rounds did.
+        rounds without it, at this batch size or a smaller one. The models price a round
+        from lines fitted across batch sizes and draft lengths, and a batch that grew (a
+        server ramping from 1 to 8 requests) or a plain option that changed (context
+        copies) can leave them wrong for a few hundred rounds, while the realized rates
+        are what the rounds did. A smaller batch counts: drafting only pays less as the
+        batch grows (each verify row costs more of a compute-bound forward), so a server
+        whose batch sizes wander (ramps, tails, arrivals) need not lose again at each.
         Exploration keeps both fresh."""
-        net, plain = self.realized.get((True, batch)), self.realized.get((False, batch))
-        if net is None or plain is None or min(net.n, plain.n) < self.realized_min:
-            return False
-        return net.rate < plain.rate
+        for (network, b), net in self.realized.items():
+            if not network or b > batch:
+                continue
+            plain = self.realized.get((False, b))
+            if plain is None or min(net.n, plain.n) < self.realized_min:
+                continue
+            if net.rate < plain.rate:
+                return True
+        return False
 
     def pays_at(self, batch: int) -> bool:
         """Whether drafting is expected to pay in rounds of ``batch`` sequences: nothing
