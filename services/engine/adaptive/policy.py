@@ -20,8 +20,8 @@ either 0 or ``k_max`` (``all_or_nothing``; ``_choices`` says why). The policy ne
 what is generated, only how fast: verification stays lossless for any ``k``.
 
 The models are checked against what rounds really commit: where rounds with the network
-have lately committed fewer tokens a second than rounds without it at the same batch size,
-the round goes plain whatever the lines say (``_drafting_lost``).
+have lately committed fewer tokens a second than rounds without it at the same batch size
+(or a smaller one), the round goes plain whatever the lines say (``_drafting_lost``).
 
 It explores a little so its estimates stay fresh: every ``explore_every`` rounds it runs
 the alternative (one full-length draft while speculation is off, one plain round while it
