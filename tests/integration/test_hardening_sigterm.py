@@ -2,7 +2,7 @@
 when it dies; SIGTERM: stop admitting (503), finish in-flight requests, exit.
 
 On the way, the same server shows Serve's back-pressure as 429 with ``Retry-After`` and
-the request id under Serve's proxy.
+the request id as Serve serves them (from the replica itself, direct ingress).
 
 The real command in a subprocess (its own local Ray and Serve, a tiny random model with a
 4K context and a random drafter). A long greedy stream is running when SIGTERM arrives:
