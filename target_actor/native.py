@@ -38,7 +38,8 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags (/proc/cpuinfo), space-separated; empty where unknown."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("flags")), "")
@@ -54,7 +55,7 @@ def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((src_dir / name).read_bytes())
-    digest.update(" ".join((compiler, *flags, _cpu_flags())).encode())
+    digest.update(" ".join((compiler, *flags, cpu_flags())).encode())
     out = longspark_home() / "kernels" / f"longspark-{digest.hexdigest()[:16]}.so"
     if out.exists():
         return out

@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -73,17 +72,9 @@ class ServedPeersConfig:
 
 
 def _host_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(ln.startswith("flags") and "amx_int8" in ln.split() for ln in f)
-    except OSError:
-        return False
+    from target_actor.native import cpu_flags
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return "amx_int8" in cpu_flags().split()
 
 
 def _command(system: str, cfg: ServedPeersConfig, port: int) -> tuple[list[str], dict[str, str]]:
@@ -127,7 +118,9 @@ def _server(system: str, cfg: ServedPeersConfig):
     """Start ``system``'s server; yield its URL once ``/v1/models`` answers; stop it."""
     import httpx
 
-    port = _free_port()
+    from services.serving.local import free_port
+
+    port = free_port()
     cmd, env = _command(system, cfg, port)
     from target_actor.checkpoint import longspark_home
 

@@ -1,4 +1,4 @@
-/* What the kernels share: the vector width of their fixed-order sums and an exp. */
+/* What the kernels share: the vector width of their fixed-order sums, an exp, RoPE. */
 #ifndef LONGSPARK_COMMON_H
 #define LONGSPARK_COMMON_H
 
@@ -30,6 +30,15 @@ static inline float exp_neg(float x) {
         float f;
     } scale = {.i = ((int32_t)n + 127) << 23};
     return p * scale.f;
+}
+
+/* rotate-half RoPE of one head of d values: out[j] = x[j] cos[j] -+ x[j +- d/2] sin[j]
+ * (out must not alias x) */
+static inline void rope_into(const float *x, const float *cos, const float *sin, int d,
+                             float *out) {
+    const int half = d / 2;
+    for (int j = 0; j < half; j++) out[j] = x[j] * cos[j] - x[j + half] * sin[j];
+    for (int j = half; j < d; j++) out[j] = x[j] * cos[j] + x[j - half] * sin[j];
 }
 
 static inline float fold(float *acc) {

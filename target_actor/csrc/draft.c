@@ -135,7 +135,7 @@ int ls_markov_greedy(const float *base, int64_t n, int k, int64_t vocab, const i
 void ls_draft_context_rows(const float *rows, const float *cos, const float *sin, int64_t n,
                            int layers, int kv_heads, int hd, const int64_t *k_addr,
                            const int64_t *v_addr, int C, int at) {
-    const int64_t width = (int64_t)kv_heads * hd, half = hd / 2;
+    const int64_t width = (int64_t)kv_heads * hd;
     for (int64_t i = 0; i < n; i++) {
         float *kb = (float *)(intptr_t)k_addr[i], *vb = (float *)(intptr_t)v_addr[i];
         const float *c = cos + i * hd, *s = sin + i * hd;
@@ -145,8 +145,7 @@ void ls_draft_context_rows(const float *rows, const float *cos, const float *sin
                 const float *x = k + (int64_t)j * hd;
                 float *ko = kb + (((int64_t)l * kv_heads + j) * C + at) * hd;
                 float *vo = vb + (((int64_t)l * kv_heads + j) * C + at) * hd;
-                for (int64_t t = 0; t < half; t++) ko[t] = x[t] * c[t] - x[t + half] * s[t];
-                for (int64_t t = half; t < hd; t++) ko[t] = x[t] * c[t] + x[t - half] * s[t];
+                rope_into(x, c, s, hd, ko);
                 memcpy(vo, v + (int64_t)j * hd, sizeof(float) * (size_t)hd);
             }
         }

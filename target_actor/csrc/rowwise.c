@@ -57,11 +57,9 @@ void ls_add_rms_norm(float *h, const void *y, int y_bf16, const float *w, float 
     }
 }
 
-/* rotate-half RoPE of one head in place: x[j] -> x[j] cos[j] -+ x[j +- d/2] sin[j] */
+/* RoPE of one head in place (rope_into through tmp) */
 static inline void rope(float *x, const float *cos, const float *sin, int d, float *tmp) {
-    const int half = d / 2;
-    for (int j = 0; j < half; j++) tmp[j] = x[j] * cos[j] - x[j + half] * sin[j];
-    for (int j = half; j < d; j++) tmp[j] = x[j] * cos[j] + x[j - half] * sin[j];
+    rope_into(x, cos, sin, d, tmp);
     memcpy(x, tmp, sizeof(float) * d);
 }
 

@@ -228,7 +228,7 @@ def test_gemm_matches_fp64_and_a_row_never_depends_on_its_batch(gemm_lib, kind):
 
 
 def test_gemm_build_variants_take_their_paths(gemm_lib):
-    has_bf16 = "avx512_bf16" in native._cpu_flags().split()
+    has_bf16 = "avx512_bf16" in native.cpu_flags().split()
     fp32_path = gemm_lib is not native.library()
     assert gemm_lib.ls_gemm_bf16_dot() == int(has_bf16 and not fp32_path)
 
@@ -316,7 +316,7 @@ def test_q4_gemm_paths_agree_bit_for_bit():
         outs.append((y4, y4_1, y8, y8_1))
     for fast_out, portable_out in zip(*outs, strict=True):
         assert torch.equal(fast_out, portable_out)
-    has_vnni = "avx512_vnni" in native._cpu_flags().split()
+    has_vnni = "avx512_vnni" in native.cpu_flags().split()
     assert fast.ls_gemm_q4_vnni() == int(has_vnni) and portable.ls_gemm_q4_vnni() == 0
 
 
