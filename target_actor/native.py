@@ -140,6 +140,8 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         # x, M, K, packed weights, scales, N, y, activation planes (1 or 2)
         "ls_gemm_w8": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, i32],
         "ls_gemm_q4_vnni": [],
+        # want the AMX tiles (1) or not (0) -> whether the GEMMs take them
+        "ls_gemm_amx": [i32],
         "ls_decoder": decoder_args,
         "ls_draft_pass": draft_args,
         # rows, cos, sin, n, layers, kv_heads, head_dim, k / v buffer addresses, C, row
@@ -152,6 +154,9 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         returns_int = not name.startswith(("ls_add", "ls_qkv", "ls_silu", "ls_draft_context"))
         fn.restype = ctypes.c_int if returns_int else None
         fn.argtypes = argtypes
+    # AMX tiles for the integer GEMMs where the CPU and kernel have them (the same bits as
+    # the VNNI path); LONGSPARK_AMX=0 keeps to VNNI
+    lib.ls_gemm_amx(int(os.environ.get("LONGSPARK_AMX", "1") != "0"))
     return lib
 
 

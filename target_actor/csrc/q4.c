@@ -39,6 +39,7 @@
  *   W8: per 4 inputs k0.., 64 bytes; byte 4c + t = q[c, k0 + t] + 128 (unsigned);
  *   d (and m): fp16 bits, [N/16][K/32][16].
  */
+#define _GNU_SOURCE /* syscall(): asking Linux for the AMX tile state */
 #include <stdlib.h>
 
 #include "common.h"
@@ -50,6 +51,23 @@
 #define LS_Q4_VNNI 0
 #endif
 
+/* AMX (Intel since Sapphire Rapids): a tile instruction takes up to 16 rows of a block's
+ * 32 int8 inputs against its 16 channels' weights at once. The integer sums are the same
+ * exact ones VNNI takes, and the float steps after them are the same (see tile_amx), so
+ * the path changes the speed, never a bit. Linux hands a process the tile state only on
+ * request (ls_gemm_amx). */
+#if LS_Q4_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LS_Q4_AMX 1
+#else
+#define LS_Q4_AMX 0
+#endif
+#define AMX_ROWS 16 /* rows of an A tile: a pass's rows times its planes */
+#define AMX_MIN 8 /* fewer rows than this take the VNNI passes (faster there) */
+
+static int amx_on = 0; /* the tiles were granted and not switched off (ls_gemm_amx) */
+
 #define QB 32      /* inputs per block */
 #define CH 16      /* channels per packed tile */
 #define RB 8       /* rows sharing one pass over a tile's weights, at most */
@@ -58,14 +76,20 @@
 
 enum { Q4 = 0, W8 = 1 };
 
-/* A sweep's rows, quantised: planes q1, q2 [rows][K]; per (row, block) dx, sx and the
- * plane sums s1, s2 */
+/* A sweep's rows, quantised: planes q1, q2; per (row, block) dx, sx and the plane sums
+ * s1, s2. The planes are [rows][K] each, or for AMX (pass > 0) stacked a pass at a time:
+ * a pass's ``pass`` rows of q1, then the same rows of q2, so one tile load takes both. */
 typedef struct {
-    int8_t *q1, *q2;
+    int8_t *q1, *q2; /* row 0's planes */
     float *dx, *dx256, *sx; /* dx256 = dx / 256, exactly */
     int32_t *s1, *s2;
-    int64_t K, nb;
+    int64_t K, nb, pass;
 } Rows;
+
+/* where row r's planes start, from q1 and q2 */
+static inline int64_t row_at(const Rows *xs, int64_t r) {
+    return xs->pass ? ((r / xs->pass) * 2 * xs->pass + r % xs->pass) * xs->K : r * xs->K;
+}
 
 /* One tile of 16 channels */
 typedef struct {
@@ -77,7 +101,7 @@ static void quantize_row(const float *x, const Rows *xs, int64_t r, int planes) 
     const int64_t K = xs->K, nb = xs->nb;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QB;
-        int8_t *q1 = xs->q1 + r * K + b * QB, *q2 = xs->q2 + r * K + b * QB;
+        int8_t *q1 = xs->q1 + row_at(xs, r) + b * QB, *q2 = xs->q2 + row_at(xs, r) + b * QB;
         float amax = 0.0f;
         for (int j = 0; j < QB; j++) {
             const float a = fabsf(xb[j]);
@@ -264,12 +288,172 @@ static void tile(int kind, int planes, int rows, const Tile *t, const Rows *x, i
 }
 #endif
 
+#if LS_Q4_AMX
+/* the tile registers' shapes (LDTILECFG's 64 bytes) */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Two sets of three tiles, for even and odd blocks, so one block's sums are taken while
+ * the next one's are stored: A holds a block's 32 inputs of each row (a pass's q1 rows,
+ * then with two planes its q2 rows), B its 16 channels' weights (4 inputs a row of 64
+ * bytes: the packed W8 layout, and Q4's once its nibbles are split), C the int32 sums
+ * [A's rows][16]. (Numbers: the intrinsics spell them into the instruction.) */
+#define TA0 0
+#define TB0 1
+#define TC0 2
+#define TA1 3
+#define TB1 4
+#define TC1 5
+
+static void amx_config(int a_rows) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int s = 0; s < 2; s++) {
+        c.rows[3 * s] = c.rows[3 * s + 2] = (uint8_t)a_rows;
+        c.colsb[3 * s] = QB;
+        c.rows[3 * s + 1] = QB / 4;
+        c.colsb[3 * s + 1] = c.colsb[3 * s + 2] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* block b's Q4 weights as B rows: the nibbles of each 8 inputs split (low: inputs 0-3,
+ * high: 4-7) into wq's 8 rows of 64 bytes, the packed W8 layout */
+static inline void amx_unpack(const Tile *t, int64_t b, uint8_t *wq) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int o = 0; o < QB / 8; o++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(t->w + (b * 4 + o) * 64));
+        _mm512_store_si512((void *)(wq + 2 * o * 64), _mm512_and_si512(v, low));
+        _mm512_store_si512((void *)(wq + (2 * o + 1) * 64),
+                           _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+}
+
+/* the integer sums of a block, B (its weights) times A (its inputs), into c [A's rows][16],
+ * on tile set ``set`` */
+static inline void amx_block(int set, const uint8_t *w, const int8_t *a, int64_t K, int32_t *c) {
+    if (set == 0) {
+        _tile_loadd(TB0, w, 64);
+        _tile_loadd(TA0, a, K);
+        _tile_zero(TC0);
+        _tile_dpbsud(TC0, TA0, TB0);
+        _tile_stored(TC0, c, 64);
+    } else {
+        _tile_loadd(TB1, w, 64);
+        _tile_loadd(TA1, a, K);
+        _tile_zero(TC1);
+        _tile_dpbsud(TC1, TA1, TB1);
+        _tile_stored(TC1, c, 64);
+    }
+}
+
+#define AMX_CHUNK 16 /* blocks whose weights and sums are staged at once (24 KB, in L1) */
+
+/* rows (<= x->pass) of the pass at row r0 against one tile of 16 channels, AMX_CHUNK
+ * blocks at a time: the tiles take the blocks' integer sums (signed inputs times unsigned
+ * weights, exact in int32: the sums tile_rows takes), then per row the same float steps in
+ * the same order. Tile loads and stores wait for the memory they touch, so the staging
+ * (weights split, sums kept) is done a chunk ahead of its readers rather than block by
+ * block. A reads the pass's whole ``pass`` rows: those past ``rows`` are left over from an
+ * earlier pass, and their sums are dropped. */
+static void tile_amx(const int kind, const int P, int rows, const Tile *t, const Rows *x,
+                     int64_t r0, float *y, int64_t ldy) {
+    const int64_t nb = x->nb, K = x->K, pass = x->pass;
+    const int8_t *a = x->q1 + row_at(x, r0);
+    uint8_t wq[AMX_CHUNK][QB / 4 * 64] __attribute__((aligned(64)));
+    int32_t sums[AMX_CHUNK][AMX_ROWS * CH] __attribute__((aligned(64)));
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += AMX_CHUNK) {
+        const int n = nb - b0 < AMX_CHUNK ? (int)(nb - b0) : AMX_CHUNK;
+        if (kind == Q4)
+            for (int j = 0; j < n; j++) amx_unpack(t, b0 + j, wq[j]);
+        for (int j = 0; j < n; j++) {
+            const uint8_t *w = kind == Q4 ? wq[j] : t->w + (b0 + j) * QB / 4 * 64;
+            amx_block(j % 2, w, a + (b0 + j) * QB, K, sums[j]);
+        }
+        for (int j = 0; j < n; j++) {
+            const int64_t b = b0 + j;
+            const int32_t *c = sums[j];
+            const __m512 dv = load_half(t->d + b * CH);
+            const __m512 mv = kind == Q4 ? load_half(t->m + b * CH) : _mm512_setzero_ps();
+            for (int r = 0; r < rows; r++) {
+                const int64_t at = (r0 + r) * nb + b;
+                const __m512i i1 = _mm512_load_si512((const void *)(c + r * CH));
+                if (kind == Q4) {
+                    if (P == 2) {
+                        const __m512i i2 = _mm512_load_si512((const void *)(c + (pass + r) * CH));
+                        const __m512i whole = _mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2);
+                        const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), s, acc[r]);
+                    } else {
+                        const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), s, acc[r]);
+                    }
+                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->sx[at]), acc[r]);
+                } else {
+                    const __m512i d1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(128 * x->s1[at]));
+                    const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s, acc[r]);
+                    if (P == 2) {
+                        const __m512i i2 = _mm512_load_si512((const void *)(c + (pass + r) * CH));
+                        const __m512i d2 =
+                            _mm512_sub_epi32(i2, _mm512_set1_epi32(128 * x->s2[at]));
+                        const __m512 s2 = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), s2, acc[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+static void amx_tile(int kind, int planes, int rows, const Tile *t, const Rows *x, int64_t r0,
+                     float *y, int64_t ldy) {
+    if (kind == Q4 && planes == 2) {
+        tile_amx(Q4, 2, rows, t, x, r0, y, ldy);
+    } else if (kind == Q4) {
+        tile_amx(Q4, 1, rows, t, x, r0, y, ldy);
+    } else if (planes == 2) {
+        tile_amx(W8, 2, rows, t, x, r0, y, ldy);
+    } else {
+        tile_amx(W8, 1, rows, t, x, r0, y, ldy);
+    }
+}
+#endif
+
+/* Ask for the AMX tiles (want = 1) or stop using them (0); returns whether the GEMMs now
+ * take them: 0 on a CPU or kernel without them, or a build for another CPU. */
+int ls_gemm_amx(int want) {
+#if LS_Q4_AMX
+    if (want && !amx_on) {
+        enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+        amx_on = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    } else if (!want) {
+        amx_on = 0;
+    }
+    return amx_on;
+#else
+    (void)want;
+    return 0;
+#endif
+}
+
 /* The driver of both kinds: x [M, K] fp32 -> y [M, N] fp32. Needs K % 32 == 0 and
  * N % 16 == 0 (the caller checks). Returns 0, or -1 when out of memory. */
 static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, const uint8_t *w,
                 const uint16_t *d, const uint16_t *m, int64_t N, float *y) {
     const int64_t nb = K / QB, rows_max = M < MCHUNK ? M : MCHUNK;
-    int8_t *buf = malloc((size_t)(2 * rows_max * K));
+    /* AMX passes: the A tile's 16 rows hold a pass's rows of both planes */
+    const int64_t amx_rows = AMX_ROWS / planes;
+    const int64_t pass = amx_on && M >= AMX_MIN ? (rows_max < amx_rows ? rows_max : amx_rows) : 0;
+    const int64_t rows_buf = pass ? (rows_max + pass - 1) / pass * pass : rows_max;
+    int8_t *buf = calloc((size_t)(2 * rows_buf * K), 1);
     float *scales = malloc(sizeof(float) * (size_t)(3 * rows_max * nb));
     int32_t *sums = malloc(sizeof(int32_t) * (size_t)(2 * rows_max * nb));
     if (buf == NULL || scales == NULL || sums == NULL) {
@@ -278,8 +462,8 @@ static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, cons
         free(sums);
         return -1;
     }
-    const Rows xs = {buf,  buf + rows_max * K,  scales, scales + rows_max * nb,
-                     scales + 2 * rows_max * nb,  sums,   sums + rows_max * nb,  K, nb};
+    const Rows xs = {buf,  buf + (pass ? pass * K : rows_buf * K), scales, scales + rows_max * nb,
+                     scales + 2 * rows_max * nb, sums, sums + rows_max * nb, K, nb, pass};
     const int64_t tile_bytes = kind == Q4 ? K / 2 * CH : K * CH;
     for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
         const int64_t rows = M - m0 < MCHUNK ? M - m0 : MCHUNK;
@@ -287,9 +471,22 @@ static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, cons
         {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) quantize_row(x + (m0 + r) * K, &xs, r, planes);
+#if LS_Q4_AMX
+            if (pass) amx_config((int)(planes * pass));
+#endif
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N / CH; n++) {
                 const Tile t = {w + n * tile_bytes, d + n * nb * CH, m ? m + n * nb * CH : NULL};
+#if LS_Q4_AMX
+                if (pass) {
+                    for (int64_t r0 = 0; r0 < rows; r0 += pass) {
+                        const int count = rows - r0 < pass ? (int)(rows - r0) : (int)pass;
+                        amx_tile(kind, planes, count, &t, &xs, r0, y + (m0 + r0) * N + n * CH,
+                                 N);
+                    }
+                    continue;
+                }
+#endif
                 /* passes of as even a size as the registers allow: 8 rows at two planes
                  * as 4 + 4, not 6 + 2, whose short pass widens the weights again for little */
                 const int64_t most = planes == 2 ? RB2 : RB, passes = (rows + most - 1) / most;
@@ -299,6 +496,9 @@ static int gemm(int kind, int planes, const float *x, int64_t M, int64_t K, cons
                     r0 += count;
                 }
             }
+#if LS_Q4_AMX
+            if (pass) _tile_release();
+#endif
         }
     }
     free(buf);

@@ -320,6 +320,39 @@ def test_q4_gemm_paths_agree_bit_for_bit():
     assert fast.ls_gemm_q4_vnni() == int(has_vnni) and portable.ls_gemm_q4_vnni() == 0
 
 
+def test_amx_gemm_computes_the_vnni_bits():
+    """Where the CPU has AMX, its tile passes (8 rows and more) take the same integer sums
+    and float steps as the VNNI passes: every row count, both kinds, both plane counts."""
+    from target_actor.linear import pack_q4, pack_w8, quantize_q4_1
+
+    lib = native.library()
+    if lib is None or not lib.ls_gemm_amx(1):
+        pytest.skip("no AMX here (CPU, kernel or build)")
+    gen = torch.Generator().manual_seed(4)
+    N, K = 48, 576  # three tiles; 18 blocks: a whole chunk of 16 blocks and a short one
+    q, d, m = quantize_q4_1(torch.randn(N, K, generator=gen))
+    tiles = [s.view(3, 16, 18).transpose(1, 2).contiguous().half() for s in (d, m)]
+    packed = pack_q4(q)
+    q8 = pack_w8(torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8))
+    x = torch.randn(150, K, generator=gen) * torch.rand(150, 1, generator=gen)
+    try:
+        for M in (8, 9, 16, 17, 40, 150):  # one pass, ragged passes, two sweeps
+            for planes in (2, 1):
+                outs = []
+                for amx in (0, 1):
+                    assert lib.ls_gemm_amx(amx) == amx
+                    y4, y8 = torch.empty(M, N), torch.empty(M, N)
+                    ptrs = (x.data_ptr(), M, K, packed.data_ptr(), *(t.data_ptr() for t in tiles))
+                    assert lib.ls_gemm_q4(*ptrs, N, y4.data_ptr(), planes) == 0
+                    ptrs = (x.data_ptr(), M, K, q8.data_ptr(), tiles[0].data_ptr(), N)
+                    assert lib.ls_gemm_w8(*ptrs, y8.data_ptr(), planes) == 0
+                    outs.append((y4, y8))
+                for vnni, amx in zip(*outs, strict=True):
+                    assert torch.equal(vnni, amx), (M, planes)
+    finally:
+        lib.ls_gemm_amx(1)
+
+
 def test_w8_gemm_is_q8_0_weights_times_the_inputs_and_rows_stand_alone(q4_lib, monkeypatch):
     """int8 weights (the int4 form's LM head) as GGUF Q8_0 blocks: a dequantised Q8_0 grid
     comes back exactly, and goes through the same integer dot products."""
