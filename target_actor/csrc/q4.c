@@ -72,6 +72,10 @@ static int amx_on = 0; /* the tiles were granted and not switched off (ls_gemm_a
 #define CH 16      /* channels per packed tile */
 #define RB 8       /* rows sharing one pass over a tile's weights, at most */
 #define RB2 6      /* ... with two planes (registers: 3 a row, where one plane takes 2) */
+/* weight bytes prefetched ahead of the ones being read (about the next 16-channel tile):
+ * a decode step streams every weight once, and the hardware prefetcher alone left the
+ * 1-row GEMMs waiting on memory (5.3 -> 3.5 ms for SmolLM2's GEMMs on an Intel Xeon) */
+#define PF_AHEAD 4096
 #define MCHUNK 120 /* rows per sweep over all tiles (their int8 planes stay in L2) */
 
 enum { Q4 = 0, W8 = 1 };
@@ -155,10 +159,13 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
             __m512i w0, w1;
             if (kind == Q4) {
                 const __m512i v = _mm512_loadu_si512((const void *)(t->w + (b * 4 + o) * 64));
+                _mm_prefetch((const char *)(t->w + (b * 4 + o) * 64 + PF_AHEAD), _MM_HINT_T0);
                 w0 = _mm512_and_si512(v, low);
                 w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             } else {
                 w0 = _mm512_loadu_si512((const void *)(t->w + (b * 8 + 2 * o) * 64));
+                _mm_prefetch((const char *)(t->w + (b * 8 + 2 * o) * 64 + PF_AHEAD), _MM_HINT_T0);
+                _mm_prefetch((const char *)(t->w + (b * 8 + 2 * o) * 64 + 64 + PF_AHEAD), _MM_HINT_T0);
                 w1 = _mm512_loadu_si512((const void *)(t->w + (b * 8 + 2 * o + 1) * 64));
             }
             for (int r = 0; r < R; r++) {
@@ -327,6 +334,7 @@ static inline void amx_unpack(const Tile *t, int64_t b, uint8_t *wq) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int o = 0; o < QB / 8; o++) {
         const __m512i v = _mm512_loadu_si512((const void *)(t->w + (b * 4 + o) * 64));
+        _mm_prefetch((const char *)(t->w + (b * 4 + o) * 64 + PF_AHEAD), _MM_HINT_T0);
         _mm512_store_si512((void *)(wq + 2 * o * 64), _mm512_and_si512(v, low));
         _mm512_store_si512((void *)(wq + (2 * o + 1) * 64),
                            _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
@@ -374,6 +382,9 @@ static void tile_amx(const int kind, const int P, int rows, const Tile *t, const
             for (int j = 0; j < n; j++) amx_unpack(t, b0 + j, wq[j]);
         for (int j = 0; j < n; j++) {
             const uint8_t *w = kind == Q4 ? wq[j] : t->w + (b0 + j) * QB / 4 * 64;
+            if (kind == W8)
+                for (int l = 0; l < QB / 4; l++)
+                    _mm_prefetch((const char *)(w + l * 64 + PF_AHEAD), _MM_HINT_T0);
             amx_block(j % 2, w, a + (b0 + j) * QB, K, sums[j]);
         }
         for (int j = 0; j < n; j++) {
