@@ -41,6 +41,7 @@ from drafter_actor.context_copy import MAX_NGRAM
 from drafter_actor.markov import MarkovHead
 from drafter_actor.native_pass import NativeBlockPass, NativeMarkovGreedy
 from target_actor import native
+from target_actor.arena import into_arena
 from target_actor.config import ModelConfig
 from target_actor.linear import Int8Linear, inference_linear, native_q4_lib, rows_through
 from target_actor.model import rms_norm
@@ -289,6 +290,7 @@ class DrafterNetwork(nn.Module):
         self.target_config = target
         self.rope = RotaryTable(target)
         self.lm_head_q8: Int8Linear | None = None  # set by gemm_weights_int8
+        self.q8_arena = None  # their memory (gemm_weights_int8: target_actor.arena)
         self.context_kv_q8: Int8Linear | None = None  # every layer's k, v: one GEMM (same)
         self.native_pass: NativeBlockPass | None = None  # the block pass in one C call (same)
 
@@ -383,6 +385,10 @@ class DrafterNetwork(nn.Module):
         self.context_kv_q8 = Int8Linear(torch.cat(kv).data, planes=1)
         self.lm_head_q8 = Int8Linear(self.lm_head, planes=1)
         self.markov.w2t_q8 = Int8Linear(self.markov.w2.data.t(), planes=1)
+        # in 2 MB pages, before the C passes take their addresses (target_actor.arena)
+        q8s = [m.q8 for m in self.modules() if isinstance(m, Linear)]
+        q8s += [layer.qkv_q8 for layer in self.layers]
+        self.q8_arena = into_arena([*q8s, self.context_kv_q8, self.lm_head_q8, self.markov.w2t_q8])
         self.markov.native_greedy = NativeMarkovGreedy.build(self.markov)
         self.native_pass = NativeBlockPass.build(self)
 

@@ -129,7 +129,7 @@ class DenseLinear(Linear):
         return self.weight.numel() * self.weight.element_size()
 
 
-class _WeightOnly(Linear):
+class WeightOnly(Linear):
     """Quantized weight, bf16 activations. torch's kernels answer in bf16, cast back to the
     input's dtype; the C ones (``lib``) answer in fp32, kept as it is."""
 
@@ -205,7 +205,7 @@ def _tile_scales(s: torch.Tensor) -> torch.Tensor:
     return s.reshape(s.shape[0] // 16, 16, -1).transpose(1, 2).contiguous()
 
 
-class Int4Linear(_WeightOnly):
+class Int4Linear(WeightOnly):
     """GGUF Q4_1 blocks. With ``csrc/q4.c`` (VNNI) by integer dot products, fp32
     activations as ``planes`` int8 planes (see ``Int8Linear``); otherwise torch's int4
     kernel (bf16 activations)."""
@@ -238,7 +238,7 @@ class Int4Linear(_WeightOnly):
         return self.packed.numel() + self.scales_zeros.numel() * 2
 
 
-class Int8Linear(_WeightOnly):
+class Int8Linear(WeightOnly):
     """int8 weights. With ``csrc/q4.c`` (VNNI): GGUF Q8_0 blocks (an fp16 scale per 32
     inputs; the grid of a dequantised Q8_0 tensor, like SmolLM2's embedding, comes back
     exactly) by integer dot products, fp32 activations. Otherwise one scale per channel,

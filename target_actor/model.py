@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from target_actor.arena import into_arena
 from target_actor.batch import ForwardBatch, ForwardOutput
 from target_actor.config import ModelConfig
 from target_actor.kv_cache import KVCache
 from target_actor.layer_ops import NativeOps, TorchOps, ops_for, rms_norm
-from target_actor.linear import WeightForm
+from target_actor.linear import Linear, WeightForm, WeightOnly
 from target_actor.native_decoder import NativeDecoder
 from target_actor.parallel import TPContext
 from target_actor.rope import RotaryTable
@@ -102,6 +103,9 @@ class DecoderLayer(nn.Module):
         if form.quant != "none":
             for p in (self.qkv, self.o, self.gate_up, self.down):
                 p.data = torch.empty(0)
+
+    def linears(self) -> tuple[Linear, ...]:
+        return self.lin_qkv, self.lin_o, self.lin_gate_up, self.lin_down
 
     def load(self, ckpt: CheckpointReader, prefix: str) -> None:
         cfg, tp, hd = self.cfg, self.tp, self.cfg.head_dim
@@ -269,6 +273,7 @@ class TargetModel(nn.Module):
         self.row_exact = False
         self.ops = ops_for(dtype, cfg.head_dim, self.device)
         self.native: NativeDecoder | None = None  # all layers in one C call (prepare)
+        self.arena = None  # the quantized GEMM weights' memory (prepare)
 
     @property
     def local_kv_heads(self) -> int:
@@ -301,6 +306,9 @@ class TargetModel(nn.Module):
         for p in self.parameters():  # dense layers already reference tensors of ``dtype``
             if p.numel() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+        # the quantized GEMM weights in 2 MB pages (before the C decoder takes their addresses)
+        lins = [lin for layer in self.layers for lin in layer.linears()] + [self.lin_head]
+        self.arena = into_arena(lin for lin in lins if isinstance(lin, WeightOnly))
         lib = self.ops.lib if isinstance(self.ops, NativeOps) else None
         self.native = NativeDecoder.build(lib, self)
 

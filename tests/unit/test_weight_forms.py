@@ -184,3 +184,24 @@ def test_auto_takes_int4_for_a_q4_1_checkpoint_without_timing(tmp_path, monkeypa
     spec = TargetSpec(str(path), dtype="auto", quant="auto").resolved()
     assert (spec.dtype, spec.quant) == ("float32", "int4")
     assert TargetSpec(str(path), dtype="bfloat16", quant="auto").resolved().quant == "int4"
+
+
+def test_quantized_weights_move_into_one_huge_page_arena_unchanged():
+    """``into_arena`` puts the linears' packed weights and scales in one 2 MB-aligned
+    buffer (advised for huge pages) and the linears compute the same bits from it."""
+    from target_actor.arena import HUGE_PAGE, into_arena
+
+    gen = torch.Generator().manual_seed(5)
+    lins = [Int4Linear(torch.randn(1024, 576, generator=gen)) for _ in range(8)]
+    lins.append(Int8Linear(torch.randn(512, 576, generator=gen)))
+    x = torch.randn(3, 576, generator=gen)
+    before = [lin(x) for lin in lins]
+    arena = into_arena(lins)
+    assert arena is not None and arena.buf.data_ptr() % HUGE_PAGE == 0
+    for lin, y in zip(lins, before, strict=True):
+        held = [v for v in vars(lin).values() if isinstance(v, torch.Tensor)]
+        assert held and all(
+            arena.buf.data_ptr() <= t.data_ptr() < arena.buf.data_ptr() + arena.used for t in held
+        )
+        assert torch.equal(lin(x), y)
+    assert into_arena(lins[:1]) is None  # under a huge page: left where it is
