@@ -143,6 +143,38 @@ static inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* One block's exact int32 sums i1 (and i2: plane 2) of one row, for 16 channels with
+ * scales dv (and mins mv: Q4), into the row's accumulator: the float steps every integer
+ * path takes, in this order, so each computes the same bits. at: the (row, block) index. */
+static inline __attribute__((always_inline)) __m512 block_step(const int kind, const int P,
+                                                               __m512i i1, __m512i i2, __m512 dv,
+                                                               __m512 mv, const Rows *x,
+                                                               int64_t at, __m512 acc) {
+    if (kind == Q4) {
+        /* (d dx / 256) float(256 I1 + I2); with one plane I2 = 0 and, the factors being
+         * powers of two (|256 I1| < 2^24), (d dx) float(I1) is the same float */
+        if (P == 2) {
+            const __m512i whole = _mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2);
+            const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), s, acc);
+        } else {
+            const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), s, acc);
+        }
+        return _mm512_fmadd_ps(mv, _mm512_set1_ps(x->sx[at]), acc);
+    }
+    /* the weights came +128: take 128 * sum(plane) */
+    const __m512i d1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(128 * x->s1[at]));
+    const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s, acc);
+    if (P == 2) {
+        const __m512i d2 = _mm512_sub_epi32(i2, _mm512_set1_epi32(128 * x->s2[at]));
+        const __m512 s2 = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), s2, acc);
+    }
+    return acc;
+}
+
 /* R rows (a compile-time constant once inlined) against one tile of 16 channels */
 static inline __attribute__((always_inline)) void tile_rows(const int R, const int kind,
                                                             const int P, const Tile *t,
@@ -179,36 +211,9 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
             }
         }
         const __m512 dv = load_half(t->d + b * CH);
-        if (kind == Q4) {
-            const __m512 mv = load_half(t->m + b * CH);
-            for (int r = 0; r < R; r++) {
-                /* (d dx / 256) float(256 I1 + I2); with one plane I2 = 0 and, the factors
-                 * being powers of two (|256 I1| < 2^24), (d dx) float(I1) is the same float */
-                const int64_t at = (r0 + r) * nb + b;
-                if (P == 2) {
-                    const __m512i whole = _mm512_add_epi32(_mm512_slli_epi32(i1[r], 8), i2[r]);
-                    const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), s, acc[r]);
-                } else {
-                    const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), s, acc[r]);
-                }
-                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->sx[at]), acc[r]);
-            }
-        } else {
-            for (int r = 0; r < R; r++) { /* the weights came +128: take 128 * sum(plane) */
-                const int64_t at = (r0 + r) * nb + b;
-                const __m512i d1 = _mm512_sub_epi32(i1[r], _mm512_set1_epi32(128 * x->s1[at]));
-                const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s, acc[r]);
-                if (P == 2) {
-                    const __m512i d2 =
-                        _mm512_sub_epi32(i2[r], _mm512_set1_epi32(128 * x->s2[at]));
-                    const __m512 s2 = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), s2, acc[r]);
-                }
-            }
-        }
+        const __m512 mv = kind == Q4 ? load_half(t->m + b * CH) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++)
+            acc[r] = block_step(kind, P, i1[r], i2[r], dv, mv, x, (r0 + r) * nb + b, acc[r]);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
@@ -393,31 +398,10 @@ static void tile_amx(const int kind, const int P, int rows, const Tile *t, const
             const __m512 dv = load_half(t->d + b * CH);
             const __m512 mv = kind == Q4 ? load_half(t->m + b * CH) : _mm512_setzero_ps();
             for (int r = 0; r < rows; r++) {
-                const int64_t at = (r0 + r) * nb + b;
                 const __m512i i1 = _mm512_load_si512((const void *)(c + r * CH));
-                if (kind == Q4) {
-                    if (P == 2) {
-                        const __m512i i2 = _mm512_load_si512((const void *)(c + (pass + r) * CH));
-                        const __m512i whole = _mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2);
-                        const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), s, acc[r]);
-                    } else {
-                        const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), s, acc[r]);
-                    }
-                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->sx[at]), acc[r]);
-                } else {
-                    const __m512i d1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(128 * x->s1[at]));
-                    const __m512 s = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx[at]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), s, acc[r]);
-                    if (P == 2) {
-                        const __m512i i2 = _mm512_load_si512((const void *)(c + (pass + r) * CH));
-                        const __m512i d2 =
-                            _mm512_sub_epi32(i2, _mm512_set1_epi32(128 * x->s2[at]));
-                        const __m512 s2 = _mm512_mul_ps(dv, _mm512_set1_ps(x->dx256[at]));
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), s2, acc[r]);
-                    }
-                }
+                const __m512i i2 = P == 2 ? _mm512_load_si512((const void *)(c + (pass + r) * CH))
+                                          : _mm512_setzero_si512();
+                acc[r] = block_step(kind, P, i1, i2, dv, mv, x, (r0 + r) * nb + b, acc[r]);
             }
         }
     }
