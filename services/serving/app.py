@@ -49,6 +49,7 @@ from services.serving.config import ServeArgs
 from services.serving.drain import find_signal
 from services.serving.metrics import EngineMetrics
 from services.serving.replica import build_replica_engine
+from target_actor.priority import raise_process_priority
 from target_actor.worker import TargetGroup
 
 log = logging.getLogger("longspark.serve")
@@ -84,6 +85,9 @@ class EngineReplica:
 
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = ServeArgs.model_validate(args)
+        # Ray nices its workers; the engine thread shares this process's GIL with Serve's
+        # loops, so they all take one priority (target_actor.priority)
+        raise_process_priority()
 
         def build() -> Engine:  # on the engine thread: a rank in this process computes there
             engine, self._close, self.drafter = build_replica_engine(self.args)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from target_actor.priority import NORMAL, raise_thread_priority
+from target_actor.priority import NORMAL, raise_process_priority, raise_thread_priority
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no thread niceness")
 
@@ -45,3 +45,26 @@ def test_a_thread_already_at_normal_priority_is_left_alone():
     if _nice() > NORMAL:
         pytest.skip("the suite itself runs niced")
     assert _in_thread(lambda: (raise_thread_priority(), _nice())) == (True, _nice())
+
+
+def test_the_process_call_raises_every_thread_already_running():
+    """A niced thread holding the GIL beside a computing thread is a priority inversion:
+    the replica raises all of its threads (Serve's loops too), not only the engine's."""
+    ready, done, seen = threading.Event(), threading.Event(), {}
+
+    def niced():  # as Serve's event-loop threads in a Ray worker
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 15)
+        seen["tid"] = threading.get_native_id()
+        ready.set()
+        done.wait(10)
+
+    t = threading.Thread(target=niced)
+    t.start()
+    try:
+        ready.wait(10)
+        ok = raise_process_priority()
+        nice = os.getpriority(os.PRIO_PROCESS, seen["tid"])
+    finally:
+        done.set()
+        t.join()
+    assert nice == (NORMAL if ok else 15)
