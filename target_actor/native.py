@@ -26,7 +26,16 @@ from pathlib import Path
 log = logging.getLogger("longspark.target")
 
 HEADERS = ("common.h", "layer.h")
-SOURCES = (*HEADERS, "attention.c", "rowwise.c", "gemm.c", "q4.c", "decoder.c", "draft.c")
+SOURCES = (
+    *HEADERS,
+    "attention.c",
+    "rowwise.c",
+    "gemm.c",
+    "q4.c",
+    "decoder.c",
+    "draft.c",
+    "sample.c",
+)
 LANES = 16  # head_dim must be a multiple of the kernels' vector width (csrc LANES)
 GEMM_CHANNELS = 4  # the GEMMs take out_features in multiples of this (csrc/gemm.c NB)
 GEMM_STEP = 32  # ... and in_features in multiples of this (csrc/gemm.c STEP)
@@ -148,10 +157,16 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         "ls_draft_context_rows": [*(_PTR,) * 3, _I64, i32, i32, i32, _PTR, _PTR, i32, i32],
         # base, n, k, vocab, anchor, w1, rank, W2 tiles, scales, planes, tokens
         "ls_markov_greedy": [_PTR, _I64, i32, _I64, _PTR, _PTR, _I64, _PTR, _PTR, i32, _PTR],
+        # weights, rows, vocab, row stride, keys, winners
+        "ls_race": [_PTR, _I64, _I64, _I64, _PTR, _PTR],
+        # x, rows, vocab, out
+        "ls_softmax": [_PTR, _I64, _I64, _PTR],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        returns_int = not name.startswith(("ls_add", "ls_qkv", "ls_silu", "ls_draft_context"))
+        returns_int = not name.startswith(
+            ("ls_add", "ls_qkv", "ls_silu", "ls_draft_context", "ls_race", "ls_softmax")
+        )
         fn.restype = ctypes.c_int if returns_int else None
         fn.argtypes = argtypes
     # AMX tiles for the integer GEMMs where the CPU and kernel have them (the same bits as

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from target_actor.batch import TokenLogprobs
+from target_actor.native import library
 
 TOP_P_CANDIDATES = 1024  # top-p sorts only this many candidates when they hold enough mass
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
@@ -29,16 +30,29 @@ def target_probs(
     """``logits`` ``[n, vocab]`` -> the processed distribution ``[n, vocab]`` (fp32, sums to 1)."""
     logits = logits.float() / temperature
     if min_p > 0.0:  # drop tokens less likely than min_p x the most likely one
-        probs = torch.softmax(logits, dim=-1)
+        probs = softmax(logits)
         floor = min_p * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = softmax(logits)
     if top_p < 1.0:
         probs = _top_p(probs, top_p)
     return probs
+
+
+def softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of fp32 ``[n, vocab]`` logits. On the CPU with the C
+    kernels: ``csrc/sample.c``, each row alone in a fixed order (the same bits in any
+    batch), ~10x faster than ``torch.softmax`` on one 49,152-wide row."""
+    lib = library()
+    if lib is None or logits.device.type != "cpu" or logits.dim() != 2:
+        return torch.softmax(logits, dim=-1)
+    x = logits.contiguous()
+    out = torch.empty_like(x)
+    lib.ls_softmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

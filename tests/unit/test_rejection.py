@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from services.engine.params import SamplingParams
 from target_actor.messages import Proposal
-from target_actor.rejection import RejectionResult, rejection_sample
+from target_actor.rejection import RejectionResult, draw, rejection_sample
 from target_actor.sampling import target_probs
 
 
@@ -18,7 +18,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     if params.greedy:
         return int(logits.argmax())
     probs = target_probs(logits.unsqueeze(0), params.temperature, params.top_k, params.top_p)
-    return int(torch.multinomial(probs[0], 1, generator=gen))
+    return int(draw(probs, [gen])[0])
 
 
 GREEDY = SamplingParams()
