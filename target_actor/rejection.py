@@ -94,8 +94,8 @@ def rejection_sample(
     num_draft = [k] * n if num_draft is None else list(num_draft)
     assert len(num_draft) == n and all(0 <= d <= k for d in num_draft), num_draft
     device = target_logits.device
-    if not any(num_draft) and all(p.greedy for p in params):
-        return _plain_greedy(target_logits, n)
+    if not any(num_draft):
+        return _plain(target_logits, params, generators)
     nd = torch.tensor(num_draft, dtype=torch.long, device=device)  # [n]
     rows = _row_index(nd, k)  # [n, k + 1]: each slot's row in the ragged logits
     if target_logits.ndim == 3:
@@ -147,12 +147,24 @@ def rejection_sample(
     )
 
 
-def _plain_greedy(target_logits: torch.Tensor, n: int) -> RejectionResult:
-    """A round without drafts, every sequence greedy (plain decoding's usual round): each
-    output token is its row's argmax, what ``_verify_greedy`` returns for it, in a few ops
-    instead of the general path's ~25, which are a visible share of a small model's step."""
+def _plain(
+    target_logits: torch.Tensor, params: list[SeqSampling], generators: list[torch.Generator | None]
+) -> RejectionResult:
+    """A round without drafts (plain decoding's round): each output token is its row's
+    argmax, or its draw from ``p``: what the general path returns for it (the same rows
+    into ``target_probs``, the same weights into ``draw``), in a few ops instead of its
+    ~25, which are a visible share of a small model's step."""
     rows = target_logits[:, 0] if target_logits.ndim == 3 else target_logits  # [n, vocab]
+    n = rows.shape[0]
     out = rows.argmax(-1)
+    sampled = [i for i in range(n) if not params[i].greedy]
+    if sampled:
+        dev = rows.device
+        idx = torch.tensor(sampled, device=dev)
+        none = torch.zeros(len(sampled), dtype=torch.long, device=dev)
+        own = torch.arange(len(sampled), device=dev)[:, None]
+        p = _processed_p(rows[idx], own, none, [params[i] for i in sampled])
+        out[idx] = draw(p, [generators[i] for i in sampled])
     zeros = torch.zeros(n, dtype=torch.long, device=out.device)
     return RejectionResult(
         num_accepted=zeros,

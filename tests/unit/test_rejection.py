@@ -145,25 +145,35 @@ def test_k_zero():
     assert result.committed == [[5], [6]]
 
 
-def test_a_plain_greedy_round_takes_the_general_paths_tokens():
-    """Rounds without drafts, every sequence greedy, take a short path: the same result as
-    the general one (here forced by one sampled sequence in the batch)."""
+def test_a_plain_round_takes_the_general_paths_tokens():
+    """Rounds without drafts take a short path: the same tokens as the general one (here
+    forced by a sixth sequence that drafts), greedy and seeded sampled rows alike."""
     gen = torch.Generator().manual_seed(7)
-    logits = torch.randn(5, VOCAB, generator=gen)
-    logits[1, 3] = logits[1, 4] = logits[1].max() + 1  # a tie: the first index, as argmax
+    logits = torch.randn(6, 2, VOCAB, generator=gen)
+    logits[1, 0, 3] = logits[1, 0, 4] = logits[1, 0].max() + 1  # a tie: the first index
+    params = [GREEDY, GREEDY, SamplingParams(temperature=1.0, seed=1)]
+    params += [SamplingParams(temperature=0.7, top_p=0.8, seed=2)]
+    params += [SamplingParams(temperature=0.9, top_k=5, seed=4)]
+    ragged = torch.cat([logits[:5, 0], logits[5]])  # five plain rows, then two for the drafter
+
+    def plain_round(n: int, num_draft: list[int]) -> list[list[int]]:
+        tokens = torch.tensor([[0]] * 5 + [[int(logits[5, 0].argmax())]])[:n]
+        prop = Proposal(tokens, tokens[..., None], torch.ones(n, 1, 1))
+        gens = [p.generator() for p in [*params, GREEDY][:n]]
+        rows = ragged[: n + (n == 6)]
+        return rejection_sample(rows, prop, [*params, GREEDY][:n], gens, num_draft).committed
+
+    fast = plain_round(5, [0] * 5)
+    general = plain_round(6, [0] * 5 + [1])
+    assert fast == general[:5] and fast[1] == [3]
     empty = Proposal(
         torch.empty(5, 0, dtype=torch.long),
         torch.empty(5, 0, 3, dtype=torch.long),
         torch.empty(5, 0, 3),
     )
-    fast = rejection_sample(logits, empty, [GREEDY] * 5, [None] * 5)
-    sampled = SamplingParams(temperature=1.0, seed=1)
-    params, gens = [GREEDY] * 4 + [sampled], [None] * 4 + [sampled.generator()]
-    general = rejection_sample(logits, empty, params, gens)
-    assert fast.committed[:4] == general.committed[:4] and fast.committed[1] == [3]
-    assert fast.num_accepted.tolist() == [0] * 5 and bool(fast.bonus.all())
-    dense = rejection_sample(logits[:, None], empty, [GREEDY] * 5, [None] * 5)
-    assert dense.committed == fast.committed
+    dense = rejection_sample(logits[:5, :1], empty, params, [p.generator() for p in params])
+    assert dense.committed == fast and dense.num_accepted.tolist() == [0] * 5
+    assert bool(dense.bonus.all())
 
 
 def test_shape_asserts():
