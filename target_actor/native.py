@@ -161,11 +161,13 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         "ls_race": [_PTR, _I64, _I64, _I64, _PTR, _PTR],
         # x, rows, vocab, out
         "ls_softmax": [_PTR, _I64, _I64, _PTR],
+        # p, rows, vocab, top_p, candidates at most, scratch, out, rows done
+        "ls_top_p": [_PTR, _I64, _I64, f32, _I64, _PTR, _PTR, _PTR],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         returns_int = not name.startswith(
-            ("ls_add", "ls_qkv", "ls_silu", "ls_draft_context", "ls_race", "ls_softmax")
+            ("ls_add", "ls_qkv", "ls_silu", "ls_draft_context", "ls_race", "ls_softmax", "ls_top_p")
         )
         fn.restype = ctypes.c_int if returns_int else None
         fn.argtypes = argtypes

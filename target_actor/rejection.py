@@ -156,8 +156,11 @@ def _plain(
     ~25, which are a visible share of a small model's step."""
     rows = target_logits[:, 0] if target_logits.ndim == 3 else target_logits  # [n, vocab]
     n = rows.shape[0]
-    out = rows.argmax(-1)
     sampled = [i for i in range(n) if not params[i].greedy]
+    if len(sampled) < n:
+        out = rows.argmax(-1)
+    else:  # every row draws: no argmax over the vocabulary
+        out = torch.empty(n, dtype=torch.long, device=rows.device)
     if sampled:
         dev = rows.device
         idx = torch.tensor(sampled, device=dev)

@@ -59,8 +59,27 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p``, renormalised.
 
     Sorting the whole vocabulary is the slow part, so only the top candidates are sorted
-    when they already hold ``top_p`` of the mass in every row (the usual case).
-    """
+    when they already hold ``top_p`` of the mass (the usual case): in C where the kernels
+    are built (``csrc/sample.c``, each row alone), else among ``torch.topk``'s. A row whose
+    candidates hold less (a flat distribution) is sorted whole."""
+    lib = library()
+    if lib is None or probs.device.type != "cpu" or probs.dim() != 2:
+        return _top_p_torch(probs, top_p)
+    p = probs.contiguous()
+    n, vocab = p.shape
+    out = torch.empty_like(p)
+    done = torch.empty(n, dtype=torch.uint8)
+    scratch = torch.empty(TOP_P_CANDIDATES * 16, dtype=torch.uint8)
+    lib.ls_top_p(
+        p.data_ptr(), n, vocab, top_p, TOP_P_CANDIDATES, scratch.data_ptr(), out.data_ptr(),
+        done.data_ptr(),
+    )  # fmt: skip
+    for r in (done == 0).nonzero().flatten().tolist():  # one at a time: any batch, same bits
+        out[r] = _top_p_torch(p[r : r + 1], top_p)[0]
+    return out
+
+
+def _top_p_torch(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     n_cand = min(TOP_P_CANDIDATES, probs.shape[-1])
     sorted_p, idx = probs.topk(n_cand, dim=-1)  # descending
     if n_cand < probs.shape[-1] and bool((sorted_p.sum(-1) < top_p).any()):

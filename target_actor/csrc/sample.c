@@ -10,6 +10,8 @@
  * and in any batch. Only the support (w_i > 0) takes a uniform and a log, where
  * torch.multinomial draws an exponential for every token of the vocabulary.
  */
+#include <stdlib.h>
+
 #include "common.h"
 
 /* SplitMix64's finaliser: a bijection of 64-bit words that mixes every input bit */
@@ -73,5 +75,55 @@ void ls_softmax(const float *x, int64_t n, int64_t V, float *out) {
         for (; i < V; i++) acc[i % LANES] += o[i];
         const float inv = 1.0f / fold(acc);
         for (int64_t j = 0; j < V; j++) o[j] *= inv;
+    }
+}
+
+typedef struct {
+    float p;
+    int64_t i;
+} Cand;
+
+/* descending p, then ascending id: one order for ties, whatever the input order */
+static int by_p_desc(const void *a, const void *b) {
+    const Cand *x = a, *y = b;
+    if (x->p != y->p) return x->p > y->p ? -1 : 1;
+    return x->i < y->i ? -1 : (x->i > y->i);
+}
+
+/* top-p of each row of probabilities p [n, V] (rows summing to 1) into out: the smallest
+ * set of most likely tokens whose mass reaches top_p (the most likely token always),
+ * renormalised; zero elsewhere. Only tokens within 2^-24 of the row's largest are sorted,
+ * at most ``cap`` of them (``scratch`` holds cap entries of 16 bytes): when those do not
+ * hold top_p of the mass, done[r] = 0 and the row is left to the caller. */
+void ls_top_p(const float *p, int64_t n, int64_t V, float top_p, int64_t cap, void *scratch,
+              float *out, uint8_t *done) {
+    Cand *c = scratch;
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = p + r * V;
+        float *o = out + r * V;
+        float mx = 0.0f;
+        for (int64_t i = 0; i < V; i++) mx = row[i] > mx ? row[i] : mx;
+        const float floor = mx * 0x1.0p-24f;
+        int64_t m = 0;
+        double mass = 0.0;
+        for (int64_t i = 0; i < V && m <= cap; i++)
+            if (row[i] >= floor && row[i] > 0.0f) {
+                if (m < cap) c[m] = (Cand){row[i], i};
+                m++;
+                mass += row[i];
+            }
+        done[r] = m <= cap && mass >= (double)top_p;
+        if (!done[r]) continue;
+        qsort(c, (size_t)m, sizeof *c, by_p_desc);
+        double before = 0.0, kept = 0.0;
+        int64_t keep = 0;
+        while (keep < m && (keep == 0 || before < (double)top_p)) {
+            before += c[keep].p;
+            kept += c[keep].p;
+            keep++;
+        }
+        memset(o, 0, (size_t)V * sizeof *o);
+        const float inv = (float)(1.0 / kept);
+        for (int64_t j = 0; j < keep; j++) o[c[j].i] = c[j].p * inv;
     }
 }

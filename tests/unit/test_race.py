@@ -11,7 +11,7 @@ import torch
 
 from target_actor.native import library
 from target_actor.rejection import RACE_KEYS, draw
-from target_actor.sampling import softmax
+from target_actor.sampling import _top_p, _top_p_torch, softmax
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: torch.multinomial")
 
@@ -81,3 +81,14 @@ def test_softmax_matches_torch_and_keeps_masked_tokens_at_zero():
     assert torch.allclose(got, torch.softmax(x, dim=-1), rtol=1e-5, atol=1e-12)
     assert (got[0, :10] == 0).all()
     assert all(torch.equal(softmax(x[i : i + 1])[0], got[i]) for i in range(5))
+
+
+@pytest.mark.parametrize("scale", [15.0, 3.0])  # peaked (C's candidates), flat (whole sort)
+def test_top_p_keeps_the_sorted_paths_tokens_each_row_alone(scale):
+    torch.manual_seed(2)
+    probs = softmax(torch.randn(4, 5000) * scale)
+    got = _top_p(probs, 0.9)
+    ref = _top_p_torch(probs, 0.9)
+    assert torch.equal(got > 0, ref > 0)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-9)
+    assert all(torch.equal(_top_p(probs[i : i + 1], 0.9)[0], got[i]) for i in range(4))
