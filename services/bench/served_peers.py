@@ -22,9 +22,9 @@ of the paired ratios (every repeat's values are in the report). Single runs on a
 2-vCPU machine move that ratio by ~0.2, which is what the pairing is for.
 
 The report (JSON + PNG) has each system's tokens/s and TPOT / TTFT percentiles per C and
-ours over each peer, all from this one run; and, with C=1 in the run, our engine's TPOT
-in this process on the same prompts (no Ray, no HTTP) with the served / in-process
-ratio: what serving adds to a token.
+ours over each peer, all from this one run; and, with C=1 in the run, what serving adds
+to a token: each of our servers at C=1 and the same engine in this process (no Ray, no
+HTTP) on the same prompts, in turns (``_tpot_pairs``), with the paired TPOT ratios.
 """
 
 from __future__ import annotations
@@ -252,77 +252,92 @@ def _ratios(systems: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _in_process(cfg: ServedPeersConfig, system: str) -> dict[str, Any]:
-    """Our engine in this process (no Ray, no HTTP), one request at a time on the same
-    prompts: the reference served TPOT is read against. TPOT here is a request's time from
-    its first streamed token to its last over the tokens after the first (the client's
+def _local_tpot(engine: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """TPOT p50 (ms) of ``engine`` in this process, one request at a time: a request's time
+    from its first token to its last over the tokens after the first (the client's
     ``(e2e - ttft) / (tokens - 1)``)."""
+    import statistics
+
+    from services.engine.params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tpots = []
+    for ids in prompts:
+        seen: list[tuple[float, int]] = []
+        engine.add_request(
+            ids,
+            params,
+            on_output=lambda o, seen=seen: seen.append((time.perf_counter(), len(o.new_token_ids))),
+        )
+        while engine.has_unfinished():
+            engine.step()
+        later = sum(n for _, n in seen[1:])
+        if later:
+            tpots.append((seen[-1][0] - seen[0][0]) / later * 1e3)
+    return round(statistics.median(tpots), 2)
+
+
+def _tpot_pairs(
+    cfg: ServedPeersConfig, urls: dict[str, str], repeats: int, both_up: bool
+) -> list[dict[str, Any]]:
+    """What serving adds to a token: for each of our servers in ``urls`` (up and idle), C=1
+    through the server and the same engine in this process (no Ray, no HTTP) on the same
+    prompts, in turns ``repeats`` times, so the host's drift falls on both alike. Per
+    system the TPOT p50 of each turn and the median of the paired served / in-process
+    ratios. ``both_up``: both of our servers were up, the idle one beside the measured
+    one, which a single server does not pay."""
     import statistics
 
     from services.engine.backends import EngineOptions, build_engine
     from services.engine.params import SamplingParams
 
-    mode = "ar" if system == "longspark_ar" else "spec"
-    opts = EngineOptions(mode=mode, dtype=cfg.dtype, quant=cfg.quant, max_num_seqs=1)
-    engine, close = build_engine(opts)
-    try:
-        mix = mix_prompts(cfg.num_prompts, cfg.seed)
-        prompts = [engine.tok.encode_chat([{"role": "user", "content": p}]) for p in mix]
-        engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
-        params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
-        tpots = []
-        for ids in prompts:
-            seen: list[tuple[float, int]] = []
-            engine.add_request(
-                ids,
-                params,
-                on_output=lambda o, seen=seen: seen.append(
-                    (time.perf_counter(), len(o.new_token_ids))
-                ),
-            )
-            while engine.has_unfinished():
-                engine.step()
-            later = sum(n for _, n in seen[1:])
-            if later:
-                tpots.append((seen[-1][0] - seen[0][0]) / later * 1e3)
-    finally:
-        close()
-    return {
-        "tpot_ms": {
-            "mean": round(statistics.fmean(tpots), 2),
-            "p50": round(statistics.median(tpots), 2),
-        },
-        "requests": len(tpots),
-    }
+    mix = [[{"role": "user", "content": p}] for p in mix_prompts(cfg.num_prompts, cfg.seed)]
 
+    async def served_pass(url: str) -> float:
+        client = make_client(url)
+        model = (await client.models.list()).data[0].id
+        records, _ = await run_level(
+            client, model, mix, 1, cfg.max_tokens, extra_body={"ignore_eos": True}
+        )
+        await client.close()
+        return round(statistics.median(r.tpot_s for r in records if r.tpot_s) * 1e3, 2)
 
-def _served_over_in_process(
-    systems: dict[str, Any], in_process: dict[str, Any], paired: bool = False
-) -> list[dict[str, Any]]:
-    """Served TPOT p50 at C=1 over in-process TPOT p50, for each of our modes.
-    ``paired``: both of our servers were up (``repeats`` > 1), the idle one's processes
-    beside the measured one's forward, which a single server does not pay."""
     out = []
-    for system, ref in in_process.items():
-        stage = next((s for s in systems[system]["stages"] if s["concurrency"] == 1), None)
-        if stage is None:
-            continue
-        served, local = stage["tpot_ms"]["p50"], ref["tpot_ms"]["p50"]
+    for system, url in urls.items():
+        mode = "ar" if system == "longspark_ar" else "spec"
+        opts = EngineOptions(mode=mode, dtype=cfg.dtype, quant=cfg.quant, max_num_seqs=1)
+        engine, close = build_engine(opts)
+        try:
+            prompts = [engine.tok.encode_chat(m) for m in mix]
+            engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
+            served, local = [], []
+            for _ in range(repeats):
+                served.append(asyncio.run(served_pass(url)))
+                local.append(_local_tpot(engine, prompts, cfg.max_tokens))
+        finally:
+            close()
+        ratios = [round(a / b, 3) for a, b in zip(served, local, strict=True)]
         out.append(
             {
                 "system": system,
                 "served_tpot_ms": served,
                 "in_process_tpot_ms": local,
-                "ratio": round(served / local, 3) if served and local else None,
-                "both_servers_up": paired,
+                "ratios": ratios,
+                "ratio": statistics.median(ratios),
+                "requests": len(mix),
+                "both_servers_up": both_up,
             }
         )
+        print(system, "served / in process TPOT", ratios, file=sys.stderr)
     return out
 
 
-def _run_pair(cfg: ServedPeersConfig, systems: dict[str, Any], skipped: dict[str, str]) -> Any:
-    """Both of our modes up at once, measured in turns (``_drive``); the paired
-    spec / plain ratios, or None when a server did not start."""
+def _run_pair(
+    cfg: ServedPeersConfig, systems: dict[str, Any], skipped: dict[str, str], tpot: list
+) -> Any:
+    """Both of our modes up at once, measured in turns (``_drive``), then their served /
+    in-process TPOT pairs (into ``tpot``); the paired spec / plain ratios, or None when a
+    server did not start."""
     pair = ("longspark", "longspark_ar")
     t0 = time.monotonic()
     try:
@@ -330,6 +345,8 @@ def _run_pair(cfg: ServedPeersConfig, systems: dict[str, Any], skipped: dict[str
             ready_s = time.monotonic() - t0
             urls = dict(zip(pair, (url_a, url_b), strict=True))
             result = asyncio.run(_drive(urls, cfg, {"ignore_eos": True}, cfg.repeats))
+            if 1 in cfg.concurrency:
+                tpot += _tpot_pairs(cfg, urls, cfg.repeats, both_up=True)
     except RuntimeError as exc:
         print(f"{'/'.join(pair)}: {exc}", file=sys.stderr)
         for system in pair:
@@ -349,7 +366,8 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
     systems: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     pair = cfg.repeats > 1 and {"longspark", "longspark_ar"} <= set(cfg.systems)
-    paired = _run_pair(cfg, systems, skipped) if pair else None
+    tpot: list[dict[str, Any]] = []  # served / in-process TPOT pairs (_tpot_pairs)
+    paired = _run_pair(cfg, systems, skipped, tpot) if pair else None
     for system in cfg.systems:
         if pair and system in ("longspark", "longspark_ar"):
             continue  # measured above
@@ -364,18 +382,14 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
             with _server(system, cfg) as url:
                 ready_s = time.monotonic() - t0
                 stages = asyncio.run(_drive({system: url}, cfg, extra))[system]
+                if system.startswith("longspark") and 1 in cfg.concurrency:
+                    tpot += _tpot_pairs(cfg, {system: url}, cfg.repeats, both_up=False)
         except RuntimeError as exc:
             print(f"{system}: {exc}", file=sys.stderr)
             skipped[system] = str(exc)
             continue
         systems[system] = {"start_s": round(ready_s, 1), "stages": stages}
         print(system, [(r["stage"], r["output_tokens_per_s"]) for r in stages], file=sys.stderr)
-    in_process = {}
-    if 1 in cfg.concurrency:  # after every server stopped: the cores are this process's
-        for system in ("longspark", "longspark_ar"):
-            if system in systems:
-                in_process[system] = _in_process(cfg, system)
-                print(system, "in process", in_process[system]["tpot_ms"], file=sys.stderr)
     failed = [
         f"{s} {r['stage']}: {r['failed']} failed"
         for s, v in systems.items()
@@ -400,8 +414,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
         "skipped": skipped,
         "ratios": _ratios(systems),
         "paired_spec_over_plain": paired,
-        "in_process": in_process,
-        "served_over_in_process_tpot": _served_over_in_process(systems, in_process, pair),
+        "served_over_in_process_tpot": tpot,
         "problems": failed,
         "ok": not failed,
     }
