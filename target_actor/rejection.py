@@ -42,9 +42,9 @@ unchanged.
 Random numbers. A sequence with its own ``torch.Generator`` draws, in this order:
 ``num_draft`` uniforms (one per draft slot, all drawn before any is used), then one
 key for the output token's draw (``draw``; one ``torch.multinomial`` draw off the CPU
-kernels). Greedy sequences draw nothing. So a
-seeded sequence's result does not depend on what else is in the batch, nor on its
-order. Sequences without a generator share the global RNG, drawn batch-wide.
+kernels). Greedy sequences draw nothing. So a seeded sequence's result does not depend
+on what else is in the batch, nor on its order. Sequences without a generator share the
+global RNG, drawn batch-wide.
 """
 
 from __future__ import annotations

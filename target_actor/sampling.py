@@ -45,7 +45,8 @@ def target_probs(
 def softmax(logits: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim of fp32 ``[n, vocab]`` logits. On the CPU with the C
     kernels: ``csrc/sample.c``, each row alone in a fixed order (the same bits in any
-    batch), ~10x faster than ``torch.softmax`` on one 49,152-wide row."""
+    batch); ``torch.softmax`` slows several-fold on rows whose exps fall below fp32's
+    normal range (a low temperature), which the C exp clamps."""
     lib = library()
     if lib is None or logits.device.type != "cpu" or logits.dim() != 2:
         return torch.softmax(logits, dim=-1)
@@ -68,8 +69,8 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     p = probs.contiguous()
     n, vocab = p.shape
     out = torch.empty_like(p)
-    done = torch.empty(n, dtype=torch.uint8)
-    scratch = torch.empty(TOP_P_CANDIDATES * 16, dtype=torch.uint8)
+    done = torch.empty(n, dtype=torch.uint8, device=p.device)
+    scratch = torch.empty(TOP_P_CANDIDATES * 16, dtype=torch.uint8, device=p.device)
     lib.ls_top_p(
         p.data_ptr(), n, vocab, top_p, TOP_P_CANDIDATES, scratch.data_ptr(), out.data_ptr(),
         done.data_ptr(),

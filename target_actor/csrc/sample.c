@@ -123,7 +123,6 @@ void ls_top_p(const float *p, int64_t n, int64_t V, float top_p, int64_t cap, vo
             keep++;
         }
         memset(o, 0, (size_t)V * sizeof *o);
-        const float inv = (float)(1.0 / kept);
-        for (int64_t j = 0; j < keep; j++) o[c[j].i] = c[j].p * inv;
+        for (int64_t j = 0; j < keep; j++) o[c[j].i] = (float)(c[j].p / kept); /* 1 alone */
     }
 }
