@@ -36,6 +36,11 @@ SOURCES = (
     "draft.c",
     "sample.c",
 )
+# the kernels that return nothing (the others return 0, or -1 when out of memory)
+VOID = {
+    *("ls_add_rms_norm", "ls_qkv_rope", "ls_silu_mul", "ls_draft_context_rows"),
+    *("ls_race", "ls_softmax", "ls_top_p"),
+}
 LANES = 16  # head_dim must be a multiple of the kernels' vector width (csrc LANES)
 GEMM_CHANNELS = 4  # the GEMMs take out_features in multiples of this (csrc/gemm.c NB)
 GEMM_STEP = 32  # ... and in_features in multiples of this (csrc/gemm.c STEP)
@@ -157,8 +162,8 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
         "ls_draft_context_rows": [*(_PTR,) * 3, _I64, i32, i32, i32, _PTR, _PTR, i32, i32],
         # base, n, k, vocab, anchor, w1, rank, W2 tiles, scales, planes, tokens
         "ls_markov_greedy": [_PTR, _I64, i32, _I64, _PTR, _PTR, _I64, _PTR, _PTR, i32, _PTR],
-        # weights, rows, vocab, row stride, keys, winners
-        "ls_race": [_PTR, _I64, _I64, _I64, _PTR, _PTR],
+        # weights, rows, vocab, keys, winners
+        "ls_race": [_PTR, _I64, _I64, _PTR, _PTR],
         # x, rows, vocab, out
         "ls_softmax": [_PTR, _I64, _I64, _PTR],
         # p, rows, vocab, top_p, candidates at most, scratch, out, rows done
@@ -166,10 +171,7 @@ def build_variant(extra_flags: tuple[str, ...] = (), compiler: str | None = None
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        returns_int = not name.startswith(
-            ("ls_add", "ls_qkv", "ls_silu", "ls_draft_context", "ls_race", "ls_softmax", "ls_top_p")
-        )
-        fn.restype = ctypes.c_int if returns_int else None
+        fn.restype = None if name in VOID else ctypes.c_int
         fn.argtypes = argtypes
     # AMX tiles for the integer GEMMs where the CPU and kernel have them (the same bits as
     # the VNNI path); LONGSPARK_AMX=0 keeps to VNNI

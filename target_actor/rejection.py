@@ -303,7 +303,7 @@ def draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> tor
             keys[i] = torch.randint(0, RACE_KEYS, (1,), generator=gen, device=gen.device).item()
     w = weights.float().contiguous()
     out = torch.empty(n, dtype=torch.long, device=cpu)
-    lib.ls_race(w.data_ptr(), n, w.shape[1], w.shape[1], keys.data_ptr(), out.data_ptr())
+    lib.ls_race(w.data_ptr(), n, w.shape[1], keys.data_ptr(), out.data_ptr())
     if bool((out < 0).any()):  # as torch.multinomial: nothing to draw from
         raise RuntimeError("invalid distribution: no token has a positive weight")
     return out

@@ -21,12 +21,11 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-/* w [n, V] (row stride ``stride``), keys [n] -> out [n]: each row's winner, or -1 where a
- * row has no positive weight */
-void ls_race(const float *w, int64_t n, int64_t V, int64_t stride, const uint64_t *keys,
-             int64_t *out) {
+/* w [n, V], keys [n] -> out [n]: each row's winner, or -1 where a row has no positive
+ * weight */
+void ls_race(const float *w, int64_t n, int64_t V, const uint64_t *keys, int64_t *out) {
     for (int64_t r = 0; r < n; r++) {
-        const float *row = w + r * stride;
+        const float *row = w + r * V;
         const uint64_t base = mix64(keys[r]);
         int64_t best = -1;
         double best_score = 0.0;

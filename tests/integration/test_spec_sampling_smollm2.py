@@ -16,13 +16,13 @@ the exactness issue for the figures.
 from __future__ import annotations
 
 import collections
-import math
 
 import pytest
 import torch
 
 from services.engine.backends import EngineOptions, build_engine
 from services.engine.params import SamplingParams
+from tests.stats import chi2_threshold
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,6 @@ KEYS = {
     "t2": lambda ids: ids[1],
     "(t1, t2, t3)": lambda ids: ids,
 }
-
-
-def chi2_threshold(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty upper quantile of chi-square (z = 3.09: alpha = 0.001)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def two_sample_chi2(a: list, b: list) -> tuple[float, int]:

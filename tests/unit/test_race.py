@@ -4,14 +4,13 @@ in any batch, and one key per token from a seeded stream."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from target_actor.native import library
 from target_actor.rejection import RACE_KEYS, draw
 from target_actor.sampling import _top_p, _top_p_torch, softmax
+from tests.stats import chi2_threshold
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: torch.multinomial")
 
@@ -22,11 +21,6 @@ def chi2(counts: torch.Tensor, p: torch.Tensor, n: int) -> tuple[float, int]:
     keep = p > 0
     exp = p[keep].double() * n
     return float(((counts[keep].double() - exp) ** 2 / exp).sum()), int(keep.sum()) - 1
-
-
-def chi2_threshold(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty upper quantile of chi-square (z=3.09: alpha = 0.001)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def counts_of(weights: torch.Tensor, n: int, seed: int) -> torch.Tensor:

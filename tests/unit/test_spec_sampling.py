@@ -10,7 +10,6 @@ and on the first two tokens, where the first round's drafts land).
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from target_actor.batch import ForwardBatch
 from target_actor.runner import TargetSpec
 from target_actor.worker import LocalTarget
 from tests.conftest import make_tiny_checkpoint
+from tests.stats import chi2_threshold
 
 N_SAMPLES = 20_000
 GRAMMAR_SAMPLES = (10_000, 6_000)  # exact, planted: a grammar's bias fails by a wide margin
@@ -48,11 +48,6 @@ def exact_joint(target: LocalTarget, prompt: list[int] = PROMPT) -> torch.Tensor
         p = torch.softmax(out.double(), dim=-1)  # rows: after prompt, after t1, after t2
         joint[t1, t2] = p[0, t1] * p[1, t2] * p[2]
     return joint
-
-
-def chi2_threshold(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty upper quantile of chi-square (z=3.09: alpha = 0.001)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 class NetworkNever(SpecPolicy):
