@@ -1,4 +1,4 @@
-"""Load over real HTTP: streaming chat completions through the ``openai`` client.
+"""Load over real HTTP: streaming chat completions, one lean client for every server.
 
 Every request is greedy, ignores EOS (so every answer is exactly ``max_tokens`` long and
 the modes are compared on equal work) and asks for the token ids and usage. Timings are
@@ -6,12 +6,19 @@ the client's: TTFT is the arrival of the first chunk that carries text, ITL the 
 between text chunks (a speculative round streams several tokens in one chunk), TPOT
 ``(e2e - TTFT) / (tokens - 1)``. ``run_level`` keeps ``concurrency`` requests in flight
 (closed loop) until every prompt was sent once.
+
+The client (:class:`StreamClient`) reads the server-sent events as lines and parses each
+with ``json.loads``, as vLLM's own benchmark client does. It runs on the same cores as the
+server it measures, so its cost is part of every measured token: the ``openai`` library
+builds a pydantic model per chunk and used ~1.6x the CPU a token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,16 +54,82 @@ class RequestRecord:
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
-def make_client(base_url: str, api_key: str | None = None, timeout_s: float = 3600.0) -> Any:
-    """An ``AsyncOpenAI`` client for ``base_url`` (the server root, without ``/v1``)."""
-    from openai import AsyncOpenAI
+class StreamError(RuntimeError):
+    """The server refused a request, or reported an error inside its stream."""
 
-    return AsyncOpenAI(
-        base_url=base_url.rstrip("/") + "/v1",
-        api_key=api_key or "none",
-        max_retries=0,
-        timeout=timeout_s,
-    )
+
+class StreamClient:
+    """An OpenAI-API client for load: ``/v1/models`` and streamed chat completions, each
+    event a dict. ``base_url`` is the server root, without ``/v1``."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 3600.0):
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s = timeout_s
+        self._session: Any = None
+
+    def _http(self) -> Any:
+        import aiohttp
+
+        if self._session is None:  # made inside the event loop that uses it
+            self._session = aiohttp.ClientSession(
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),  # as many in flight as asked
+                read_bufsize=1 << 20,  # a last event with every token id is one line
+            )
+        return self._session
+
+    async def model(self) -> str:
+        """The id of the first model the server lists."""
+        async with self._http().get(self.base_url + "/v1/models") as resp:
+            body = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise StreamError(f"HTTP {resp.status}: {_message(body)}")
+            return body["data"][0]["id"]
+
+    async def stream_chat(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST ``body`` (with ``stream: true``) to ``/v1/chat/completions``; yields each
+        event until ``[DONE]``. Raises :class:`StreamError` on a refusal (the error JSON's
+        message) or an ``error`` event."""
+        url = self.base_url + "/v1/chat/completions"
+        async with self._http().post(url, json=body) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                raise StreamError(f"HTTP {resp.status}: {_message(text)}")
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, comments, keep-alives
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    raise StreamError(_message(event))
+                yield event
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _message(body: Any) -> str:
+    """An OpenAI error JSON's message (or the body itself, shortened)."""
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return body[:200]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error or body)[:200]
+
+
+def make_client(base_url: str, api_key: str | None = None, timeout_s: float = 3600.0) -> Any:
+    """The load client for the server at ``base_url`` (its root, without ``/v1``)."""
+    return StreamClient(base_url, api_key, timeout_s)
 
 
 async def send_one(
@@ -71,33 +144,35 @@ async def send_one(
     server that takes other ones). A server that sends no usage has its text chunks
     counted as tokens (one token per chunk, as such servers stream)."""
     rec = RequestRecord(index)
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(DEFAULT_EXTRA if extra_body is None else extra_body),
+    }
     t0 = time.perf_counter()
     try:
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=DEFAULT_EXTRA if extra_body is None else extra_body,
-        )
-        async for chunk in stream:
+        async for chunk in client.stream_chat(body):
             now = time.perf_counter() - t0
-            if chunk.choices and chunk.choices[0].delta.content:
+            choices = chunk.get("choices")
+            if choices and (choices[0].get("delta") or {}).get("content"):
                 rec.chunk_times_s.append(now)
                 if rec.ttft_s is None:
                     rec.ttft_s = now
-            extras = (chunk.model_extra or {}).get("longspark")
+            extras = chunk.get("longspark")
             if extras:
                 rec.token_ids = extras.get("token_ids")
                 rec.mode = extras.get("mode")
                 rec.num_drafts = extras.get("num_drafts", 0)
                 rec.num_draft_tokens = extras.get("num_draft_tokens", 0)
                 rec.num_accepted_tokens = extras.get("num_accepted_tokens", 0)
-            if chunk.usage is not None:
-                rec.prompt_tokens = chunk.usage.prompt_tokens
-                rec.output_tokens = chunk.usage.completion_tokens
+            usage = chunk.get("usage")
+            if usage:
+                rec.prompt_tokens = usage.get("prompt_tokens", 0)
+                rec.output_tokens = usage.get("completion_tokens", 0)
         if rec.output_tokens == 0:
             rec.output_tokens = len(rec.chunk_times_s)
         rec.ok = rec.output_tokens > 0

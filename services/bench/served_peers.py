@@ -23,8 +23,8 @@ of the paired ratios (every repeat's values are in the report). Single runs on a
 
 The report (JSON + PNG) has each system's tokens/s and TPOT / TTFT percentiles per C and
 ours over each peer, all from this one run; and, with C=1 in the run, what serving adds
-to a token: each of our servers at C=1 and the same engine in this process (no Ray, no
-HTTP) on the same prompts, in turns (``_tpot_pairs``), with the paired TPOT ratios.
+to a token: each of our servers alone at C=1 and the same engine in this process (no Ray,
+no HTTP) on the same prompts, in turns (``_tpot_pairs``), with the paired TPOT ratios.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ async def _drive(
     import statistics
 
     clients = {s: make_client(u) for s, u in urls.items()}
-    model = (await next(iter(clients.values())).models.list()).data[0].id
+    model = await next(iter(clients.values())).model()
     mix = [[{"role": "user", "content": p}] for p in mix_prompts(cfg.num_prompts, cfg.seed)]
     for client in clients.values():
         await send_one(client, model, mix[0], 8, extra_body=extra)  # warm-up
@@ -277,15 +277,12 @@ def _local_tpot(engine: Any, prompts: list[list[int]], max_tokens: int) -> float
     return round(statistics.median(tpots), 2)
 
 
-def _tpot_pairs(
-    cfg: ServedPeersConfig, urls: dict[str, str], repeats: int, both_up: bool
-) -> list[dict[str, Any]]:
-    """What serving adds to a token: for each of our servers in ``urls`` (up and idle), C=1
-    through the server and the same engine in this process (no Ray, no HTTP) on the same
-    prompts, in turns ``repeats`` times, so the host's drift falls on both alike. Per
-    system the TPOT p50 of each turn and the median of the paired served / in-process
-    ratios. ``both_up``: both of our servers were up, the idle one beside the measured
-    one, which a single server does not pay."""
+def _tpot_pairs(cfg: ServedPeersConfig, urls: dict[str, str], repeats: int) -> list[dict[str, Any]]:
+    """What serving adds to a token: for each of our servers in ``urls`` (up, idle, and
+    the only one running), C=1 through the server and the same engine in this process (no
+    Ray, no HTTP) on the same prompts, in turns ``repeats`` times, so the host's drift falls
+    on both alike. Per system the TPOT p50 of each turn and the median of the paired
+    served / in-process ratios."""
     import statistics
 
     from services.engine.backends import EngineOptions, build_engine
@@ -295,7 +292,7 @@ def _tpot_pairs(
 
     async def served_pass(url: str) -> float:
         client = make_client(url)
-        model = (await client.models.list()).data[0].id
+        model = await client.model()
         records, _ = await run_level(
             client, model, mix, 1, cfg.max_tokens, extra_body={"ignore_eos": True}
         )
@@ -325,7 +322,6 @@ def _tpot_pairs(
                 "ratios": ratios,
                 "ratio": statistics.median(ratios),
                 "requests": len(mix),
-                "both_servers_up": both_up,
             }
         )
         print(system, "served / in process TPOT", ratios, file=sys.stderr)
@@ -335,9 +331,10 @@ def _tpot_pairs(
 def _run_pair(
     cfg: ServedPeersConfig, systems: dict[str, Any], skipped: dict[str, str], tpot: list
 ) -> Any:
-    """Both of our modes up at once, measured in turns (``_drive``), then their served /
-    in-process TPOT pairs (into ``tpot``); the paired spec / plain ratios, or None when a
-    server did not start."""
+    """Both of our modes up at once, measured in turns (``_drive``); then, with C=1 in
+    the run, each server alone (as a user runs it: an idle second Ray beside it takes the
+    same two cores) for its served / in-process TPOT pairs (into ``tpot``). Returns the
+    paired spec / plain ratios, or None when a server did not start."""
     pair = ("longspark", "longspark_ar")
     t0 = time.monotonic()
     try:
@@ -345,13 +342,17 @@ def _run_pair(
             ready_s = time.monotonic() - t0
             urls = dict(zip(pair, (url_a, url_b), strict=True))
             result = asyncio.run(_drive(urls, cfg, {"ignore_eos": True}, cfg.repeats))
-            if 1 in cfg.concurrency:
-                tpot += _tpot_pairs(cfg, urls, cfg.repeats, both_up=True)
     except RuntimeError as exc:
         print(f"{'/'.join(pair)}: {exc}", file=sys.stderr)
         for system in pair:
             skipped[system] = str(exc)
         return None
+    for system in pair if 1 in cfg.concurrency else ():
+        try:
+            with _server(system, cfg) as url:
+                tpot += _tpot_pairs(cfg, {system: url}, cfg.repeats)
+        except RuntimeError as exc:
+            print(f"{system} alone: {exc}", file=sys.stderr)
     for system in pair:
         systems[system] = {"start_s": round(ready_s, 1), "stages": result[system]}
         print(
@@ -383,7 +384,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
                 ready_s = time.monotonic() - t0
                 stages = asyncio.run(_drive({system: url}, cfg, extra))[system]
                 if system.startswith("longspark") and 1 in cfg.concurrency:
-                    tpot += _tpot_pairs(cfg, {system: url}, cfg.repeats, both_up=False)
+                    tpot += _tpot_pairs(cfg, {system: url}, cfg.repeats)
         except RuntimeError as exc:
             print(f"{system}: {exc}", file=sys.stderr)
             skipped[system] = str(exc)

@@ -79,7 +79,7 @@ async def _bench_service(
     svc: Service, cfg: ThroughputConfig, stages: list[Stage], watch: MetricsWatch | None
 ) -> dict[str, Any]:
     client = make_client(svc.url, svc.api_key)
-    model = (await client.models.list()).data[0].id
+    model = await client.model()
     observed = Observed()
 
     def count(records: list) -> None:

@@ -23,7 +23,36 @@ API_KEY_ENV = "LONGSPARK_API_KEY"
 # Ray settings for the Ray this project starts. The GCS keeps ~3 KB of task events per
 # actor call for the dashboard's task list, up to this many tasks (Ray's default, 100k,
 # is ~300 MB of GCS memory on a long-running service); the per-round actors turn theirs off.
-RAY_SYSTEM_CONFIG = {"task_events_max_num_task_in_gcs": 10_000}
+# The rest slow Ray's background polling, which shares the cores with the forward: by
+# default the raylet reports its resources every 0.1 s and reads every worker's memory
+# every 0.25 s, and each worker sends its task events every second. Nothing on a serving
+# node needs those faster than a second (the OOM killer still runs, once a second).
+RAY_SYSTEM_CONFIG = {
+    "task_events_max_num_task_in_gcs": 10_000,
+    "task_events_report_interval_ms": 5_000,
+    "raylet_report_resources_period_milliseconds": 1_000,
+    "memory_monitor_refresh_ms": 1_000,
+}
+# Ray Serve's settings, read by its processes from the environment:
+# - the controller's loop (Ray's default 0.1 s; it polls every deployment's state each
+#   time), the largest share of an idle service's CPU. Health checks run every 10 s and
+#   autoscaling looks back 30 s, so a 0.5 s loop changes no decision, only its CPU;
+# - the app's code on the replica's own event loop rather than a second one (Serve's
+#   "throughput-optimized" setting): a streamed chunk no longer crosses between two loops'
+#   threads. Our handlers never block; the engine computes in its own thread.
+SERVE_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+}
+
+
+def quiet_ray_env() -> None:
+    """Set :data:`SERVE_ENV` for the Ray processes started after this (they inherit the
+    environment), where the user has not set them."""
+    for name, value in SERVE_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 API_KEY_FILE_ENV = "LONGSPARK_API_KEY_FILE"
 
 

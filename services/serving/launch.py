@@ -121,7 +121,7 @@ def run_server(args: argparse.Namespace) -> None:
     from api import proxy_guard
     from services.engine.backends import check_devices
     from services.serving.app import build_app
-    from services.serving.config import RAY_SYSTEM_CONFIG, ServeArgs
+    from services.serving.config import RAY_SYSTEM_CONFIG, ServeArgs, quiet_ray_env
     from services.serving.drain import create_signal
 
     app_args, host, port = settings_from(args)
@@ -153,6 +153,7 @@ def run_server(args: argparse.Namespace) -> None:
 
         enable_direct_ingress(port)
         proxy_port = free_port()
+    quiet_ray_env()
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=dashboard,

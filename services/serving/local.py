@@ -44,13 +44,14 @@ class LocalService:
         from ray import serve
 
         from api import proxy_guard
-        from services.serving.config import RAY_SYSTEM_CONFIG
+        from services.serving.config import RAY_SYSTEM_CONFIG, quiet_ray_env
 
         if ray.is_initialized():
             raise RuntimeError(
                 "Ray is already running in this process; use --url to bench a running service"
             )
         proxy_guard.install()  # as ``longspark serve`` does
+        quiet_ray_env()
         ray.init(
             num_cpus=self.num_cpus,
             include_dashboard=False,

@@ -14,40 +14,36 @@ from services.bench.summary import percentiles_ms, summarize_level
 
 
 def chunk(text=None, usage=None, extras=None):
-    choices = [] if text is None else [SimpleNamespace(delta=SimpleNamespace(content=text))]
-    return SimpleNamespace(
-        choices=choices, usage=usage, model_extra={"longspark": extras} if extras else {}
-    )
+    event = {"choices": [] if text is None else [{"index": 0, "delta": {"content": text}}]}
+    if usage:
+        event["usage"] = usage
+    if extras:
+        event["longspark"] = extras
+    return event
 
 
 class FakeClient:
-    """``chat.completions.create`` streaming like our server: role, text deltas, final, usage."""
+    """``stream_chat`` streaming like our server: role, text deltas, final, usage."""
 
     def __init__(self, fail_on: str | None = None) -> None:
-        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
         self.calls, self.fail_on, self.in_flight, self.most = [], fail_on, 0, 0
 
-    async def create(self, **kw):
-        self.calls.append(kw)
-        prompt = kw["messages"][0]["content"]
+    async def stream_chat(self, body):
+        self.calls.append(body)
+        prompt = body["messages"][0]["content"]
         if prompt == self.fail_on:
             raise RuntimeError("boom")
-        n = kw["max_tokens"]
+        n = body["max_tokens"]
         extras = {"mode": "spec", "num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3}
-
-        async def stream():
-            self.in_flight += 1
-            self.most = max(self.most, self.in_flight)
-            yield chunk("")
-            for piece in ("a", "b"):
-                await asyncio.sleep(0.01)
-                yield chunk(piece)
-            yield chunk("c", extras={**extras, "token_ids": list(range(n))})
-            usage = SimpleNamespace(prompt_tokens=len(prompt), completion_tokens=n)
-            yield chunk(None, usage=usage)
-            self.in_flight -= 1
-
-        return stream()
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        yield chunk("")
+        for piece in ("a", "b"):
+            await asyncio.sleep(0.01)
+            yield chunk(piece)
+        yield chunk("c", extras={**extras, "token_ids": list(range(n))})
+        yield chunk(None, usage={"prompt_tokens": len(prompt), "completion_tokens": n})
+        self.in_flight -= 1
 
 
 def test_send_one_records_timing_tokens_and_extras():
@@ -59,8 +55,8 @@ def test_send_one_records_timing_tokens_and_extras():
     assert rec.tpot_s == pytest.approx((rec.e2e_s - rec.ttft_s) / 3)
     assert len(rec.itl_s) == 2
     sent = client.calls[0]
-    assert sent["stream"] and sent["temperature"] == 0
-    assert sent["extra_body"] == {"ignore_eos": True, "return_token_ids": True}
+    assert sent["stream"] and sent["temperature"] == 0 and sent["model"] == "m"
+    assert sent["ignore_eos"] and sent["return_token_ids"]
 
 
 def test_run_level_keeps_concurrency_and_order_and_records_failures():

@@ -14,20 +14,12 @@ from services.bench.http_load import RequestRecord
 from services.bench.served_peers import ServedPeersConfig
 
 
-class _Models:
-    async def list(self):
-        class _M:
-            id = "m"
-
-        class _L:
-            data = [_M()]
-
-        return _L()
-
-
 class _Client:
     def __init__(self, url: str) -> None:
-        self.url, self.models = url, _Models()
+        self.url = url
+
+    async def model(self) -> str:
+        return "m"
 
     async def close(self) -> None:
         pass
