@@ -182,3 +182,16 @@ def test_scatter_proposal_puts_rows_in_place_and_pads_the_rest():
         full.q_ids[0], part.q_ids[0]
     )
     assert torch.allclose(full.q_probs.sum(-1), torch.ones(3, 2))
+
+
+def test_quiet_ray_env_sets_serve_defaults_and_keeps_the_users(monkeypatch):
+    import os
+
+    from services.serving.config import SERVE_ENV, quiet_ray_env
+
+    for name in SERVE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "2")  # the user's own
+    quiet_ray_env()
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "2"
+    assert os.environ["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
