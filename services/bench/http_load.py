@@ -10,7 +10,7 @@ between text chunks (a speculative round streams several tokens in one chunk), T
 The client (:class:`StreamClient`) reads the server-sent events as lines and parses each
 with ``json.loads``, as vLLM's own benchmark client does. It runs on the same cores as the
 server it measures, so its cost is part of every measured token: the ``openai`` library
-builds a pydantic model per chunk and used ~1.6x the CPU a token.
+builds a pydantic model per chunk and took ~0.5 ms of CPU a token, this client ~0.2.
 """
 
 from __future__ import annotations

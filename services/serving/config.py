@@ -20,6 +20,7 @@ from services.engine.backends import EngineOptions
 log = logging.getLogger("longspark.serve")
 
 API_KEY_ENV = "LONGSPARK_API_KEY"
+API_KEY_FILE_ENV = "LONGSPARK_API_KEY_FILE"
 # Ray settings for the Ray this project starts. The GCS keeps ~3 KB of task events per
 # actor call for the dashboard's task list, up to this many tasks (Ray's default, 100k,
 # is ~300 MB of GCS memory on a long-running service); the per-round actors turn theirs off.
@@ -51,9 +52,6 @@ def quiet_ray_env() -> None:
     environment), where the user has not set them."""
     for name, value in SERVE_ENV.items():
         os.environ.setdefault(name, value)
-
-
-API_KEY_FILE_ENV = "LONGSPARK_API_KEY_FILE"
 
 
 def split_keys(text: str | None) -> list[str]:
