@@ -24,7 +24,7 @@ of the paired ratios (every repeat's values are in the report). Single runs on a
 The report (JSON + PNG) has each system's tokens/s and TPOT / TTFT percentiles per C and
 ours over each peer, all from this one run; and, with C=1 in the run, what serving adds
 to a token: each of our servers alone at C=1 and the same engine in this process (no Ray,
-no HTTP) on the same prompts, in turns (``_tpot_pairs``), with the paired TPOT ratios.
+no HTTP) on the same prompts, in turns (``_tpot_pair``), with the paired TPOT ratios.
 """
 
 from __future__ import annotations
@@ -277,12 +277,11 @@ def _local_tpot(engine: Any, prompts: list[list[int]], max_tokens: int) -> float
     return round(statistics.median(tpots), 2)
 
 
-def _tpot_pairs(cfg: ServedPeersConfig, urls: dict[str, str], repeats: int) -> list[dict[str, Any]]:
-    """What serving adds to a token: for each of our servers in ``urls`` (up, idle, and
-    the only one running), C=1 through the server and the same engine in this process (no
-    Ray, no HTTP) on the same prompts, in turns ``repeats`` times, so the host's drift falls
-    on both alike. Per system the TPOT p50 of each turn and the median of the paired
-    served / in-process ratios."""
+def _tpot_pair(cfg: ServedPeersConfig, system: str, url: str, repeats: int) -> dict[str, Any]:
+    """What serving adds to a token: our server ``system`` at ``url`` (up, idle, and the
+    only one running) at C=1, and the same engine in this process (no Ray, no HTTP) on the
+    same prompts, in turns ``repeats`` times, so the host's drift falls on both alike. The
+    TPOT p50 of each turn and the median of the paired served / in-process ratios."""
     import statistics
 
     from services.engine.backends import EngineOptions, build_engine
@@ -290,7 +289,7 @@ def _tpot_pairs(cfg: ServedPeersConfig, urls: dict[str, str], repeats: int) -> l
 
     mix = [[{"role": "user", "content": p}] for p in mix_prompts(cfg.num_prompts, cfg.seed)]
 
-    async def served_pass(url: str) -> float:
+    async def served_pass() -> float:
         client = make_client(url)
         model = await client.model()
         records, _ = await run_level(
@@ -299,33 +298,28 @@ def _tpot_pairs(cfg: ServedPeersConfig, urls: dict[str, str], repeats: int) -> l
         await client.close()
         return round(statistics.median(r.tpot_s for r in records if r.tpot_s) * 1e3, 2)
 
-    out = []
-    for system, url in urls.items():
-        mode = "ar" if system == "longspark_ar" else "spec"
-        opts = EngineOptions(mode=mode, dtype=cfg.dtype, quant=cfg.quant, max_num_seqs=1)
-        engine, close = build_engine(opts)
-        try:
-            prompts = [engine.tok.encode_chat(m) for m in mix]
-            engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
-            served, local = [], []
-            for _ in range(repeats):
-                served.append(asyncio.run(served_pass(url)))
-                local.append(_local_tpot(engine, prompts, cfg.max_tokens))
-        finally:
-            close()
-        ratios = [round(a / b, 3) for a, b in zip(served, local, strict=True)]
-        out.append(
-            {
-                "system": system,
-                "served_tpot_ms": served,
-                "in_process_tpot_ms": local,
-                "ratios": ratios,
-                "ratio": statistics.median(ratios),
-                "requests": len(mix),
-            }
-        )
-        print(system, "served / in process TPOT", ratios, file=sys.stderr)
-    return out
+    mode = "ar" if system == "longspark_ar" else "spec"
+    opts = EngineOptions(mode=mode, dtype=cfg.dtype, quant=cfg.quant, max_num_seqs=1)
+    engine, close = build_engine(opts)
+    try:
+        prompts = [engine.tok.encode_chat(m) for m in mix]
+        engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
+        served, local = [], []
+        for _ in range(repeats):
+            served.append(asyncio.run(served_pass()))
+            local.append(_local_tpot(engine, prompts, cfg.max_tokens))
+    finally:
+        close()
+    ratios = [round(a / b, 3) for a, b in zip(served, local, strict=True)]
+    print(system, "served / in process TPOT", ratios, file=sys.stderr)
+    return {
+        "system": system,
+        "served_tpot_ms": served,
+        "in_process_tpot_ms": local,
+        "ratios": ratios,
+        "ratio": statistics.median(ratios),
+        "requests": len(mix),
+    }
 
 
 def _run_pair(
@@ -350,7 +344,7 @@ def _run_pair(
     for system in pair if 1 in cfg.concurrency else ():
         try:
             with _server(system, cfg) as url:
-                tpot += _tpot_pairs(cfg, {system: url}, cfg.repeats)
+                tpot.append(_tpot_pair(cfg, system, url, cfg.repeats))
         except RuntimeError as exc:
             print(f"{system} alone: {exc}", file=sys.stderr)
     for system in pair:
@@ -367,7 +361,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
     systems: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     pair = cfg.repeats > 1 and {"longspark", "longspark_ar"} <= set(cfg.systems)
-    tpot: list[dict[str, Any]] = []  # served / in-process TPOT pairs (_tpot_pairs)
+    tpot: list[dict[str, Any]] = []  # served / in-process TPOT pairs (_tpot_pair)
     paired = _run_pair(cfg, systems, skipped, tpot) if pair else None
     for system in cfg.systems:
         if pair and system in ("longspark", "longspark_ar"):
@@ -384,7 +378,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
                 ready_s = time.monotonic() - t0
                 stages = asyncio.run(_drive({system: url}, cfg, extra))[system]
                 if system.startswith("longspark") and 1 in cfg.concurrency:
-                    tpot += _tpot_pairs(cfg, {system: url}, cfg.repeats)
+                    tpot.append(_tpot_pair(cfg, system, url, cfg.repeats))
         except RuntimeError as exc:
             print(f"{system}: {exc}", file=sys.stderr)
             skipped[system] = str(exc)
