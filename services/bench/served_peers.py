@@ -29,7 +29,6 @@ no HTTP) on the same prompts, in turns (``_tpot_pair``), with the paired TPOT ra
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.bench_mix import mix_prompts, repeat_to
-from services.bench.http_load import make_client, run_level, send_one
+from services.bench.http_load import make_client, run_client, run_level, send_one
 from services.bench.machine import machine_info
 from services.bench.summary import summarize_level
 
@@ -306,7 +305,7 @@ def _tpot_pair(cfg: ServedPeersConfig, system: str, url: str, repeats: int) -> d
         engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
         served, local = [], []
         for _ in range(repeats):
-            served.append(asyncio.run(served_pass()))
+            served.append(run_client(served_pass()))
             local.append(_local_tpot(engine, prompts, cfg.max_tokens))
     finally:
         close()
@@ -335,7 +334,7 @@ def _run_pair(
         with _server(pair[0], cfg) as url_a, _server(pair[1], cfg) as url_b:
             ready_s = time.monotonic() - t0
             urls = dict(zip(pair, (url_a, url_b), strict=True))
-            result = asyncio.run(_drive(urls, cfg, {"ignore_eos": True}, cfg.repeats))
+            result = run_client(_drive(urls, cfg, {"ignore_eos": True}, cfg.repeats))
     except RuntimeError as exc:
         print(f"{'/'.join(pair)}: {exc}", file=sys.stderr)
         for system in pair:
@@ -376,7 +375,7 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
         try:
             with _server(system, cfg) as url:
                 ready_s = time.monotonic() - t0
-                stages = asyncio.run(_drive({system: url}, cfg, extra))[system]
+                stages = run_client(_drive({system: url}, cfg, extra))[system]
                 if system.startswith("longspark") and 1 in cfg.concurrency:
                     tpot.append(_tpot_pair(cfg, system, url, cfg.repeats))
         except RuntimeError as exc:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.bench.bench_mix import mix_prompts, repeat_to
-from services.bench.http_load import Messages, make_client, run_level, send_one
+from services.bench.http_load import Messages, make_client, run_client, run_level, send_one
 from services.bench.machine import machine_info
 from services.bench.metrics_check import MetricsWatch, Observed, reachable
 from services.bench.summary import summarize_level
@@ -221,7 +221,7 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict[str, Any]:
             watch = (
                 MetricsWatch(svc.metrics_urls, cfg.metrics_timeout_s) if cfg.check_metrics else None
             )
-            result = asyncio.run(_bench_service(svc, cfg, stages, watch))
+            result = run_client(_bench_service(svc, cfg, stages, watch))
             mode = result["mode"] if svc.mode == "as served" else svc.mode
             if mode in modes:
                 problems.append(f"two services decode in mode {mode}: nothing to compare")
