@@ -200,7 +200,11 @@ class Engine:
     def _round(self, running: list[Sequence]) -> None:
         """Plan -> draft -> verify -> commit -> observe, for every running sequence."""
         t0 = time.perf_counter()
-        plan = self.planner.plan(running, self.drafter.drafting if self.drafter else None)
+        plan = self.planner.plan(
+            running,
+            self.drafter.drafting if self.drafter else None,
+            len(self.scheduler.waiting),
+        )
         if plan.put_aside:  # the drafter is put aside: these sequences go on plainly
             self.drafter.free(plan.put_aside)
         batch = VerifyBatch(
@@ -224,7 +228,14 @@ class Engine:
         self._commit(running, result, batch.num_draft)
         network = proposal is not None and not copied
         self.planner.observe(
-            plan, batch.num_draft, result.num_accepted, t1 - t0, t2 - t1, network, copied
+            plan,
+            batch.num_draft,
+            result.num_accepted,
+            t1 - t0,
+            t2 - t1,
+            network,
+            copied,
+            batch.want_updates,
         )
         self.stats.observe_round(
             t1 - t0, t2 - t1, time.perf_counter() - t0, batch.num_draft, result.num_accepted

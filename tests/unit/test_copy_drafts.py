@@ -134,7 +134,9 @@ def test_copy_rounds_equal_plain_decoding_and_keep_the_drafter_in_sync(tiny_chec
             LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)),
             ByteTokenizer(),
             random_drafter(path, k=4),
-            EngineConfig(k=4, adaptive=True, copy_drafts=True),
+            # two at a time, the rest waiting: the planner copies only while requests wait
+            # or one runs alone
+            EngineConfig(k=4, adaptive=True, copy_drafts=True, max_num_seqs=2),
         )
         engine.planner.policy = policy
         outs = engine.generate(ps, params)

@@ -28,6 +28,9 @@ class Idle:
     def explore_next(self) -> None:
         self.explored = True
 
+    def probe_interval(self, batch: int, floor: int) -> float:
+        return floor
+
 
 def test_fixed_k_never_drafts_past_max_tokens_or_for_lost_or_plain_sequences():
     planner = RoundPlanner(k=5, max_len=100, stats=EngineStats(), drafter=True)
@@ -76,6 +79,9 @@ class PaysAtOne:
     def explore_next(self) -> None:
         self.explored = True
 
+    def probe_interval(self, batch: int, floor: int) -> float:
+        return floor
+
 
 def test_sequences_admitted_where_drafting_loses_start_plain_except_a_probe_now_and_then():
     stats = EngineStats()
@@ -97,9 +103,24 @@ def test_an_exploration_copy_is_drafted_but_not_priced_into_the_plain_option():
     planner = RoundPlanner(4, 100, EngineStats(), drafter=True, adaptive=True, copy_drafts=True)
     running = [seq(0, output=8), seq(1, output=8)]  # "4 4 4 ...": a sure copy of 4s each
     planner.copier.plan = lambda candidates, batch, verify: CopyPlan([], candidates[:1])
-    explored = planner.plan(running).copies
+    explored = planner.plan(running, waiting=1).copies
     assert len(explored) == 1 and explored[0].tokens == [4] * 4
     assert planner.policy.plain_rows == 1.0 and planner.policy.plain_tokens == 1.0
     planner.copier.plan = lambda candidates, batch, verify: CopyPlan(candidates[:1])
-    assert planner.plan(running).copies == explored
+    assert planner.plan(running, waiting=1).copies == explored
     assert planner.policy.plain_rows == 1.0 + 4 / 2  # a copy worth its rows is priced
+
+
+def test_copies_only_while_one_sequence_runs_or_requests_wait():
+    """With every request running, a copy's early finish frees a slot nobody takes: no
+    copies (and no search for them). Alone, or with a queue, the copier decides."""
+    planner = RoundPlanner(4, 100, EngineStats(), drafter=True, adaptive=True, copy_drafts=True)
+    searched = []
+    planner.copier.plan = lambda candidates, batch, verify: (
+        searched.append(batch) or CopyPlan(candidates)
+    )
+    two = [seq(0, output=8), seq(1, output=8)]
+    assert planner.plan(two).copies == [] and searched == []
+    assert planner.policy.plain_rows == 1.0 and planner.policy.plain_tokens == 1.0
+    assert len(planner.plan(two, waiting=3).copies) == 2 and searched == [2]
+    assert len(planner.plan(two[:1]).copies) == 1 and searched == [2, 1]

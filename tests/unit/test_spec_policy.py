@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from services.engine.adaptive.policy import LinearCost, RealizedRate, SpecPolicy
+from services.engine.adaptive.policy import (
+    KEPT,
+    NETWORK,
+    PLAIN,
+    LinearCost,
+    RealizedRate,
+    SpecPolicy,
+)
 from services.engine.core import Engine, EngineConfig
 from services.engine.params import SamplingParams
 from target_actor.runner import TargetSpec
@@ -171,7 +178,9 @@ def test_drafter_put_aside_when_it_does_not_pay_stays_lossless_and_probes(tiny_c
         LocalTarget(TargetSpec(str(path), kv_cache_tokens=4096)), ByteTokenizer()
     ).generate(ps, params)
     engine = spec_engine(path, EngineConfig(k=4, adaptive=True, max_num_seqs=2, probe_every=12))
-    engine.planner.policy = SpecPolicy(4, explore_every=6, sleep_after=5)
+    # probe_budget 1: probes every probe_every rounds, however dear (the interval's own test
+    # is below)
+    engine.planner.policy = SpecPolicy(4, explore_every=6, sleep_after=5, probe_budget=1.0)
     states_while_aside = []
     real_step = engine.step
 
@@ -226,6 +235,36 @@ def test_a_probe_drafts_in_the_next_round_however_dear_drafting_is():
     assert policy.choose(4) == 0
 
 
+def test_a_long_plain_phase_keeps_the_price_of_a_drafted_round():
+    """Hundreds of plain rounds at one batch size forget the drafted rounds' row counts;
+    the verify line keeps the slope it last measured, so drafting still costs its rows
+    there (before, the policy took the flat line for "nothing measured": it admitted new
+    sequences with drafter state and never drafted for them)."""
+    policy = SpecPolicy(k_max=7)
+    verify = lambda rows: 0.010 + 0.0012 * rows  # noqa: E731
+    for k in (7, 0, 7, 0):
+        feed(policy, 8, k, accepted=1, verify=verify, draft=lambda rows: 0.020)
+    assert not policy.pays_at(8)
+    for _ in range(400):
+        feed(policy, 8, 0, accepted=0, verify=verify, draft=lambda rows: 0.0)
+    assert policy.verify.spread < 1.0 and policy.verify.varied
+    assert policy.round_seconds(8, 7) == pytest.approx(0.020 + verify(64), rel=0.05)
+    assert not policy.pays_at(8)
+    assert policy.choose(8) == 0
+
+
+def test_probes_are_rarer_where_a_drafted_round_costs_several_plain_ones():
+    policy = SpecPolicy(k_max=7, probe_budget=0.005)
+    assert policy.probe_interval(16, 256) == 256  # nothing measured yet
+    verify = lambda rows: 0.010 + 0.001 * rows  # noqa: E731
+    for batch, k in [(1, 7), (1, 0), (16, 0), (16, 7)] * 4:
+        feed(policy, batch, k, accepted=1, verify=verify, draft=lambda rows: 0.002)
+    # one sequence: a drafted round (8 rows) 0.020 s against a plain one's 0.011
+    assert policy.probe_interval(1, 256) == 256
+    # sixteen: 0.138 + 0.002 s against 0.026 s, 4.4 plain rounds more: one in ~880 rounds
+    assert policy.probe_interval(16, 256) == pytest.approx((0.140 / 0.026 - 1) / 0.005, rel=0.05)
+
+
 def test_cost_per_sequence_is_told_apart_from_cost_per_row():
     """A server whose batch grew: drafted rounds seen at 1 sequence, plain and drafted ones
     at 8. Each sequence costs 2 ms (its K/V reads), each row 1 ms: at 8 sequences an 8-row
@@ -263,9 +302,32 @@ def test_drafting_that_realized_less_than_plain_rounds_stops_though_the_model_di
 
 def test_drafting_that_lost_at_a_batch_size_is_not_tried_again_at_a_larger_one():
     policy = SpecPolicy(k_max=7)
-    policy.realized = {(True, 4): RealizedRate(), (False, 4): RealizedRate()}
+    policy.realized = {(NETWORK, 4): RealizedRate(), (KEPT, 4): RealizedRate()}
     for _ in range(3):
-        policy.realized[(True, 4)].observe(8, 0.1)  # 80 tokens/s with the network
-        policy.realized[(False, 4)].observe(4, 0.04)  # 100 without
+        policy.realized[(NETWORK, 4)].observe(8, 0.1)  # 80 tokens/s with the network
+        policy.realized[(KEPT, 4)].observe(4, 0.04)  # 100 without
     assert policy._drafting_lost(4) and policy._drafting_lost(9)
     assert not policy._drafting_lost(2)  # a smaller batch may still gain
+
+
+def test_drafting_must_beat_plain_rounds_without_the_drafter_not_only_those_that_keep_it():
+    """Keeping the drafter ready taxes every plain round (the target's taps, the drafter's
+    updates); drafting that beats those taxed rounds but not the untaxed ones loses."""
+    policy = SpecPolicy(k_max=7)
+    rates = {NETWORK: (9, 0.1), KEPT: (8, 0.1), PLAIN: (10, 0.1)}  # tokens in 0.1 s
+    policy.realized = {(kind, 1): RealizedRate() for kind in rates}
+    for _ in range(3):
+        for kind, (tokens, seconds) in rates.items():
+            policy.realized[(kind, 1)].observe(tokens, seconds)
+    assert policy._drafting_lost(1)
+    del policy.realized[(PLAIN, 1)]  # never seen without the drafter: the kept rounds count
+    assert not policy._drafting_lost(1)
+
+
+def test_rounds_are_told_apart_by_whether_the_drafter_was_kept():
+    policy = SpecPolicy(k_max=4)
+    policy.observe([0, 0], [0, 0], 0.001, 0.010, network=False, taps=True)
+    policy.observe([0, 0], [0, 0], 0.0, 0.009, network=False, taps=False)
+    policy.observe([4, 4], [2, 1], 0.004, 0.020, network=True, taps=True)
+    assert set(policy.realized) == {(KEPT, 2), (PLAIN, 2), (NETWORK, 2)}
+    assert policy.realized[(NETWORK, 2)].rate == pytest.approx(5 / 0.024)

@@ -24,6 +24,9 @@ every ``explore_every`` rounds at most, and no more often than keeps its extra r
 drafted but not priced: the round's plain option is what the copies worth drafting cost
 and gain, so an exploration never makes a plain round look dearer than drafting.
 
+The engine's planner asks for copies only while one sequence runs or requests wait for a
+slot (``RoundPlanner._plan_copies`` says why).
+
 A copied slot's proposal is one-hot, and which sequences copy depends only on their
 history and on earlier rounds (never on a token sampled this round), so verification
 stays lossless at any temperature (the invariant in ``target_actor.rejection``).

@@ -6,11 +6,15 @@ Behind those two calls sit all the choices speculation makes:
 
 * **k** each round: fixed (``EngineConfig.k``), or adaptive (``policy.SpecPolicy``: from
   measured acceptance and cost; 0 = a plain round);
-* **engine-side copies** in rounds without the network (``copies.CopyPlanner``);
+* **engine-side copies** in rounds without the network (``copies.CopyPlanner``), while
+  one sequence runs or requests wait for a slot (a copy buys a sequence an early finish,
+  which frees a slot: worth its rows only where that slot is the round or a request
+  waits for it; with every request running, the batch's rounds go on regardless);
 * **the drafter put aside** while drafting keeps not paying: running sequences lose their
   drafter state (``RoundPlan.put_aside``, the engine frees it) and new ones start without
-  it, except one probe batch every ``probe_every`` rounds, which drafts once so the policy
-  re-measures acceptance;
+  it, except one probe batch every ``probe_every`` rounds (more where a drafted round
+  costs several plain ones: ``SpecPolicy.probe_interval``), which drafts once so the
+  policy re-measures acceptance;
 * **no drafter state for sequences admitted where drafting loses**: at the batch size an
   admission makes, if the policy's measurements say plain rounds win there
   (``SpecPolicy.pays_at``), the new sequences start plain (probes aside), so a loaded
@@ -67,13 +71,16 @@ class RoundPlanner:
 
     # -- the two hooks --------------------------------------------------------------
     def plan(
-        self, running: list[Sequence], drafting: Callable[[int], bool] | None = None
+        self,
+        running: list[Sequence],
+        drafting: Callable[[int], bool] | None = None,
+        waiting: int = 0,
     ) -> RoundPlan:
         """This round's plan; ``drafting(seq_id)`` is False where a sequence's drafter state
-        was lost (it decodes plainly)."""
+        was lost (it decodes plainly); ``waiting``: requests queued for a slot."""
         k, copies, put_aside = self.k, [], []
         if self.policy:
-            copies = self._plan_copies(running)
+            copies = self._plan_copies(running, waiting)
             k = self.policy.choose(len(running))
             put_aside = self._sleep_or_wake(running)
             self.since_probe += 1
@@ -89,11 +96,12 @@ class RoundPlanner:
         verify_s: float,
         network: bool,
         copied: bool,
+        taps: bool = False,
     ) -> None:
         """What the round did: ``num_draft`` as verified, whether the network drafted, whether
-        the plan's copies did."""
+        the plan's copies did, whether the target returned the drafter's taps."""
         if self.policy:
-            self.policy.observe(num_draft, num_accepted, draft_s, verify_s, network)
+            self.policy.observe(num_draft, num_accepted, draft_s, verify_s, network, taps)
         if copied:
             self.copier.observe(plan.copies, num_accepted)
             self.stats.copy_drafts += len(plan.copies)
@@ -112,7 +120,7 @@ class RoundPlanner:
             return True
         if not self.asleep and (self.policy is None or self.policy.pays_at(batch)):
             return True
-        if self.since_probe < self.probe_every:
+        if self.since_probe < self.policy.probe_interval(batch, self.probe_every):
             return False
         self.since_probe = 0  # a probe: it drafts in the next round, then is put aside
         self.probes.update(s.seq_id for s in seqs)
@@ -133,10 +141,19 @@ class RoundPlanner:
         return with_state
 
     # -- internals ------------------------------------------------------------------
-    def _plan_copies(self, running: list[Sequence]) -> list[CopyCandidate]:
+    def _plan_copies(self, running: list[Sequence], waiting: int) -> list[CopyCandidate]:
         """The context copies worth verifying if this round goes without the network,
-        priced into the policy's plain option."""
-        if self.copier is None:
+        priced into the policy's plain option.
+
+        None (and no search: it costs ~20-40 us a sequence) where several sequences run and
+        no request waits. A copy's accepted tokens end its sequence sooner, and the slot it
+        frees is what they buy: the copier prices them at the round's rate, as if another
+        request took that slot at once. With every request already running none does, and
+        the batch's rounds go on until its longest sequences end, which the copies of some
+        rows rarely shorten: their rows are a loss (16 requests at C=8 and 32, in process:
+        0.98x plain with copies, 1.00-1.02x without)."""
+        if self.copier is None or (len(running) > 1 and not waiting):
+            self.policy.plain_tokens = self.policy.plain_rows = 1.0
             return []
         candidates = []
         for i, s in enumerate(running):

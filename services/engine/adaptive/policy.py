@@ -42,6 +42,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# the kinds of round whose realized rates the policy compares (``SpecPolicy.realized``)
+NETWORK = "network"  # the drafter's network drafted
+KEPT = "kept"  # no network drafts, the drafter kept ready (the target returned its taps)
+PLAIN = "plain"  # no drafter state in the round at all
+
 
 @dataclass
 class LinearCost:
@@ -64,6 +69,7 @@ class LinearCost:
     sxz: float = 0.0
     sxy: float = 0.0
     szy: float = 0.0
+    last: tuple[float, float] | None = None  # the slopes when the rows last varied
 
     def observe(self, rows: float, seconds: float, seqs: float = 1.0) -> None:
         d = self.decay
@@ -74,6 +80,8 @@ class LinearCost:
             d * self.sxx + rows * rows, d * self.szz + seqs * seqs, d * self.sxz + rows * seqs,
         )  # fmt: skip
         self.sxy, self.szy = d * self.sxy + rows * seconds, d * self.szy + seqs * seconds
+        if self.spread >= 1.0:
+            self.last = self._fit()
 
     @property
     def known(self) -> bool:
@@ -88,8 +96,21 @@ class LinearCost:
         """Standard deviation of the observed row counts (0: one row count, no slope yet)."""
         return max(0.0, self._variance()) ** 0.5 if self.n > 0 else 0.0
 
+    @property
+    def varied(self) -> bool:
+        """Whether the row counts ever varied (a slope was measured)."""
+        return self.last is not None
+
     def slopes(self) -> tuple[float, float]:
-        """``(b, c)``: seconds per row and per sequence, neither negative."""
+        """``(b, c)``: seconds per row and per sequence, neither negative. Where the rows
+        seen lately no longer vary (a long run of plain rounds at one batch size has
+        forgotten the drafted ones), the slopes of the last fit that saw them vary: the
+        cost of a round's rows does not vanish because none were tried lately."""
+        if self.spread < 1.0 and self.last is not None:
+            return self.last
+        return self._fit()
+
+    def _fit(self) -> tuple[float, float]:
         n = self.n
         mx, mz, my = self.sx / n, self.sz / n, self.sy / n
         vxx, vzz = self._variance(), self.szz / n - mz * mz
@@ -190,6 +211,7 @@ class SpecPolicy:
     k_max: int
     explore_every: int = 32  # rounds between explorations, at least
     explore_budget: float = 0.02  # share of the time exploration may cost, at most
+    probe_budget: float = 0.005  # ... and probes while the drafter is aside (see probe_interval)
     verify: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=LinearCost)
     # the verify cost of rounds without the network only (see ``plain_cost``)
@@ -206,9 +228,9 @@ class SpecPolicy:
     since_other: float = 0  # rounds since the mode not chosen last was tried
     last_k: int = -1
     plain_streak: int = 0  # rounds in a row whose best k (exploration aside) was 0
-    # what rounds with and without the network really committed per second, per batch
+    # what rounds really committed per second, per kind (NETWORK, KEPT, PLAIN) and batch
     # size: the check on the models (see ``_drafting_lost``)
-    realized: dict[tuple[bool, int], RealizedRate] = field(default_factory=dict)
+    realized: dict[tuple[str, int], RealizedRate] = field(default_factory=dict)
     realized_min: float = 2.0  # rounds of each kind seen at a batch size before it counts
 
     def __post_init__(self) -> None:
@@ -247,7 +269,7 @@ class SpecPolicy:
         if not (self.verify.known and self.draft.known):
             k = self.k_max  # nothing measured yet: speculate, which measures both
             self.plain_streak = 0
-        elif self.verify.spread < 1.0:
+        elif not self.verify.varied:
             # a plain round next, to measure it: until the verify line has seen two row
             # counts it prices a plain round like a full block (at C=8, 4x its cost)
             k = 0
@@ -280,14 +302,19 @@ class SpecPolicy:
         are what the rounds did. A smaller batch counts: drafting only pays less as the
         batch grows (each verify row costs more of a compute-bound forward), so a server
         whose batch sizes wander (ramps, tails, arrivals) need not lose again at each.
-        Exploration keeps both fresh."""
-        for (network, b), net in self.realized.items():
-            if not network or b > batch:
+        Exploration keeps both fresh.
+
+        Plain rounds count as they ran without any drafter state (``PLAIN``) where such
+        rounds were seen, not only as they run while the drafter is kept ready (``KEPT``:
+        the target returns its taps, ~10% of a one-row step, and the drafter ingests them).
+        Against the kept ones alone, drafting at one sequence looked level, so the
+        drafter stayed awake and taxed every round for drafts that did not pay for it."""
+        for (kind, b), net in self.realized.items():
+            if kind != NETWORK or b > batch or net.n < self.realized_min:
                 continue
-            plain = self.realized.get((False, b))
-            if plain is None or min(net.n, plain.n) < self.realized_min:
-                continue
-            if net.rate < plain.rate:
+            plain = [self.realized.get((other, b)) for other in (PLAIN, KEPT)]
+            rates = [r.rate for r in plain if r is not None and r.n >= self.realized_min]
+            if rates and net.rate < max(rates):
                 return True
         return False
 
@@ -297,7 +324,7 @@ class SpecPolicy:
         rounds with the network have not lately lost at this batch size. The engine asks
         before it gives new sequences drafter state: a sequence admitted into a batch where
         drafting loses would only cost the drafter's views and updates."""
-        if not (self.verify.known and self.draft.known) or self.verify.spread < 1.0:
+        if not (self.verify.known and self.draft.known) or not self.verify.varied:
             return True
         best = max((k for k in self._choices() if k), key=lambda k: self._rate(batch, k))
         return self._rate(batch, best) > self._rate(batch, 0) and not self._drafting_lost(batch)
@@ -311,6 +338,20 @@ class SpecPolicy:
         """Try the other mode in the next round (a probe sequence just joined), however
         dear the exploration budget makes it."""
         self.since_other = math.inf
+
+    def probe_interval(self, batch: int, floor: int) -> float:
+        """Rounds between probe batches (sequences admitted with drafter state while the
+        drafter is aside) in rounds of ``batch`` sequences: ``floor``, or more where a drafted
+        round costs more than a plain one, so probing spends at most ``probe_budget`` of
+        the time. A probe costs more than its drafted round (the drafter's prefill, and its
+        updates until it is put aside again), and at a batch where drafting lost it rarely
+        finds otherwise: at 16 sequences a drafted round costs ~6 plain ones, and a probe
+        every 256 rounds had cost ~3% of a loaded server's time."""
+        plain = self.round_seconds(batch, 0)
+        if plain <= 0 or not self.draft.known:
+            return floor
+        extra = self.round_seconds(batch, self.k_max) / plain - 1.0
+        return max(floor, extra / self.probe_budget)
 
     def _explore_interval(self, batch: int, k: int, other: int) -> float:
         """Rounds between tries of ``other`` while ``k`` is chosen: ``explore_every``, or
@@ -331,13 +372,17 @@ class SpecPolicy:
         draft_s: float,
         verify_s: float,
         network: bool = True,
+        taps: bool = True,
     ) -> None:
         """One finished round: per-sequence drafts and accepted counts, and its timings.
-        ``network=False``: a round without the drafter's network (any drafts were copies)."""
+        ``network=False``: a round without the drafter's network (any drafts were copies);
+        ``taps``: the target returned the drafter's updates (some sequence had its state)."""
         rows, seqs = sum(n + 1 for n in num_draft), len(num_draft)
         committed = seqs + sum(num_accepted)  # each sequence's accepted drafts and one more
-        kind = (network and any(num_draft), seqs)
-        self.realized.setdefault(kind, RealizedRate()).observe(committed, draft_s + verify_s)
+        kind = NETWORK if network and any(num_draft) else KEPT if taps else PLAIN
+        self.realized.setdefault((kind, seqs), RealizedRate()).observe(
+            committed, draft_s + verify_s
+        )
         self.verify.observe(rows, verify_s, seqs)
         if not network:
             self.plain_verify.observe(rows, verify_s, seqs)
@@ -348,4 +393,4 @@ class SpecPolicy:
             self.accepted.observe(n, m)
 
 
-__all__ = ["Acceptance", "LinearCost", "RealizedRate", "SpecPolicy"]
+__all__ = ["KEPT", "NETWORK", "PLAIN", "Acceptance", "LinearCost", "RealizedRate", "SpecPolicy"]
