@@ -48,9 +48,26 @@ def test_planner_drafts_every_copy_when_rows_are_nearly_free_and_only_sure_ones_
     assert planner.plan([long_, short], 1, memory_bound).copies == [long_]  # a failing copy
     short_acc = planner.acceptance[(2, False)]
     short_acc.accepts[0] = short_acc.trials[0]  # now its first slot always holds
-    assert planner.plan([long_, short], 1, memory_bound).copies == [long_, short]
+    drafted = planner.plan([long_, short], 1, memory_bound).copies
+    # rows nearly free: the short copy drafts too, but for slots 1 in 64 would hold
+    assert drafted[0] == long_ and drafted[1].row == 1 and len(drafted[1].tokens) == 6
     compute_bound = cost(0.010, 0.004)  # a row costs most of a plain step: near-certain only
-    assert planner.plan([long_, short], 32, compute_bound).copies == [long_]
+    # the short match's first slot always holds, its second as often as not: one token
+    assert planner.plan([long_, short], 32, compute_bound).copies == [
+        long_,
+        CopyCandidate(1, [2], (2, False)),
+    ]
+
+
+def test_a_copy_keeps_the_slots_whose_chance_beats_what_a_row_costs():
+    copy = CopyCandidate(0, [3] * 7, (3, False))
+    planner = CopyPlanner(7, explore_every=10**9)
+    for _ in range(300):  # the first two slots hold, the third fails
+        planner.observe([copy], [2])
+    assert planner._worth(copy, price=0.5) == CopyCandidate(0, [3, 3], (3, False))
+    assert planner._worth(copy, price=0.999) is None  # no slot is that sure
+    exact = planner.plan([copy], 1, cost(0.004, 0.0005)).copies
+    assert exact == [CopyCandidate(0, [3, 3], (3, False))]
 
 
 def explorer(budget: float) -> tuple[CopyPlanner, CopyCandidate, CopyCandidate]:

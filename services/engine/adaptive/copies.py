@@ -14,9 +14,11 @@ prompt-lookup decoding (vLLM's ``ngram`` method) with a cost model.
 Which sequences draft: the verify costs ``a + b * rows`` (the policy's fitted model), and
 a copy of ``k`` tokens from a match of length ``n`` is expected to add ``g(n, k)`` tokens
 (per-position acceptance per match length, measured as rounds go). The round's rate
-``(B + sum g) / cost(B + sum k)`` is maximal when exactly the copies with
-``g > rate * b * k`` are drafted, which a few fixed-point passes find (Dinkelbach). At one
-sequence on a CPU that drafts nearly every copy; at 32 it keeps only the long matches.
+``(B + sum g) / cost(B + sum k)`` is maximal when each copy keeps exactly the slots whose
+chance of holding (every slot before it held too) beats ``rate * b``, which a few
+fixed-point passes find (Dinkelbach): a long match's copy drafts whole, a short one's its
+first token or two, a failing one nothing. At one sequence on a CPU, where a row costs a
+fraction of a step, most copies draft; in a loaded round only their surest slots.
 Now and then one more candidate drafts, the one whose match length has the least evidence,
 so estimates stay fresh (exploring every candidate at once costs too much at high load):
 every ``explore_every`` rounds at most, and no more often than keeps its extra rows within
@@ -106,11 +108,11 @@ class CopyPlanner:
             if seconds <= 0:
                 return CopyPlan(candidates)
             rate = (batch + sum(self.gain(c) for c in chosen)) / seconds
-            pick = [c for c in candidates if self.gain(c) > rate * b * len(c.tokens)]
+            pick = [t for c in candidates if (t := self._worth(c, rate * b)) is not None]
             if pick == chosen:
                 break
             chosen = pick
-        rest = [c for c in candidates if c not in chosen]
+        rest = [c for c in candidates if c.row not in {w.row for w in chosen}]
         if not rest:
             return CopyPlan(chosen)
         least_known = min(rest, key=lambda c: self._acc(c.key).trials[0])
@@ -120,6 +122,22 @@ class CopyPlanner:
             return CopyPlan(chosen)
         self.since_explore = 0
         return CopyPlan(chosen, [least_known])
+
+    def _worth(self, c: CopyCandidate, price: float) -> CopyCandidate | None:
+        """``c`` cut to the length worth its rows (None: no length is), when each row must
+        earn ``price`` tokens: its slot ``j`` adds a token with the chance that slots
+        ``1..j`` all hold, which only falls with ``j``, so the copy keeps the slots whose
+        chance beats the price. A short match's copy is right for a token or two, seldom
+        for seven."""
+        keep, run = 0, 1.0
+        for alpha in self._acc(c.key).alphas()[: len(c.tokens)]:
+            run *= alpha
+            if run <= price:
+                break
+            keep += 1
+        if keep == 0:
+            return None
+        return c if keep == len(c.tokens) else CopyCandidate(c.row, c.tokens[:keep], c.key)
 
     def observe(self, drafted: list[CopyCandidate], num_accepted: list[int]) -> None:
         """``num_accepted``: the round's accepted counts for every row of the batch."""

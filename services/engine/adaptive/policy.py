@@ -70,6 +70,7 @@ class LinearCost:
     sxy: float = 0.0
     szy: float = 0.0
     last: tuple[float, float] | None = None  # the slopes when the rows last varied
+    _line: tuple[float, float, float] | None = field(default=None, repr=False)  # (a, b, c)
 
     def observe(self, rows: float, seconds: float, seqs: float = 1.0) -> None:
         d = self.decay
@@ -82,6 +83,7 @@ class LinearCost:
         self.sxy, self.szy = d * self.sxy + rows * seconds, d * self.szy + seqs * seconds
         if self.spread >= 1.0:
             self.last = self._fit()
+        self._line = None
 
     @property
     def known(self) -> bool:
@@ -133,9 +135,11 @@ class LinearCost:
         counts were seen."""
         if self.n <= 0:
             return 0.0
-        b, c = self.slopes()
-        mx, mz, my = self.sx / self.n, self.sz / self.n, self.sy / self.n
-        a = max(0.0, my - b * mx - c * mz)
+        if self._line is None:  # the policy predicts ~20 times a round: fit once a round
+            b, c = self.slopes()
+            mx, mz, my = self.sx / self.n, self.sz / self.n, self.sy / self.n
+            self._line = (max(0.0, my - b * mx - c * mz), b, c)
+        a, b, c = self._line
         return a + b * rows + c * seqs
 
 
