@@ -203,7 +203,7 @@ class Engine:
         plan = self.planner.plan(
             running,
             self.drafter.drafting if self.drafter else None,
-            len(self.scheduler.waiting),
+            self.scheduler.full(),
         )
         if plan.put_aside:  # the drafter is put aside: these sequences go on plainly
             self.drafter.free(plan.put_aside)

@@ -101,6 +101,15 @@ class Scheduler:
         self.running.extend(admitted)
         return admitted
 
+    def full(self) -> bool:
+        """Whether a waiting request waits for room (a slot, or KV blocks), not only for its
+        turn among the next step's prefills: then a sequence that ends early lets it in."""
+        if not self.waiting:
+            return False
+        if len(self.running) >= self.max_num_seqs:
+            return True
+        return self.free_blocks - self.blocks_for(self._room(self.waiting[0])) < self.watermark
+
     def grow(self) -> list[Sequence]:
         """Give every running sequence room for its next verify block, oldest first,
         preempting from the newest end when the pool runs out; the preempted ones."""

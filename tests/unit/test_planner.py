@@ -103,11 +103,11 @@ def test_an_exploration_copy_is_drafted_but_not_priced_into_the_plain_option():
     planner = RoundPlanner(4, 100, EngineStats(), drafter=True, adaptive=True, copy_drafts=True)
     running = [seq(0, output=8), seq(1, output=8)]  # "4 4 4 ...": a sure copy of 4s each
     planner.copier.plan = lambda candidates, batch, verify: CopyPlan([], candidates[:1])
-    explored = planner.plan(running, waiting=1).copies
+    explored = planner.plan(running, waiting=True).copies
     assert len(explored) == 1 and explored[0].tokens == [4] * 4
     assert planner.policy.plain_rows == 1.0 and planner.policy.plain_tokens == 1.0
     planner.copier.plan = lambda candidates, batch, verify: CopyPlan(candidates[:1])
-    assert planner.plan(running, waiting=1).copies == explored
+    assert planner.plan(running, waiting=True).copies == explored
     assert planner.policy.plain_rows == 1.0 + 4 / 2  # a copy worth its rows is priced
 
 
@@ -122,5 +122,5 @@ def test_copies_only_while_one_sequence_runs_or_requests_wait():
     two = [seq(0, output=8), seq(1, output=8)]
     assert planner.plan(two).copies == [] and searched == []
     assert planner.policy.plain_rows == 1.0 and planner.policy.plain_tokens == 1.0
-    assert len(planner.plan(two, waiting=3).copies) == 2 and searched == [2]
+    assert len(planner.plan(two, waiting=True).copies) == 2 and searched == [2]
     assert len(planner.plan(two[:1]).copies) == 1 and searched == [2, 1]

@@ -44,6 +44,20 @@ def test_scheduler_admits_by_current_need_and_preempts_the_newest():
     assert sched.granted(seqs[2]) >= 74
 
 
+def test_full_means_a_request_waits_for_room_not_for_its_turn_to_prefill():
+    sched = Scheduler(64, 16, max_num_seqs=3, max_prefill_seqs=1, lookahead=5, max_len=256)
+    seqs = [_seq(i, 30) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    assert sched.admit() == seqs[:1] and not sched.full()  # the rest prefill in later steps
+    sched.admit(), sched.admit()
+    assert len(sched.running) == 3 and sched.full()  # every slot taken
+    small = Scheduler(6, 16, max_num_seqs=8, max_prefill_seqs=8, lookahead=5, max_len=256)
+    for s in [_seq(i, 30) for i in range(3)]:
+        small.add(s)
+    assert len(small.admit()) == 2 and small.full()  # no KV room for the third
+
+
 def test_the_newest_short_of_room_preempts_itself_not_an_older_one():
     sched = Scheduler(4, 16, max_num_seqs=4, max_prefill_seqs=4, lookahead=1, max_len=256)
     a, b = _seq(0, 20), _seq(1, 20)

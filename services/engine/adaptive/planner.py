@@ -74,10 +74,11 @@ class RoundPlanner:
         self,
         running: list[Sequence],
         drafting: Callable[[int], bool] | None = None,
-        waiting: int = 0,
+        waiting: bool = False,
     ) -> RoundPlan:
         """This round's plan; ``drafting(seq_id)`` is False where a sequence's drafter state
-        was lost (it decodes plainly); ``waiting``: requests queued for a slot."""
+        was lost (it decodes plainly); ``waiting``: a request waits for room (a slot or KV
+        blocks) that a sequence ending early would free (``Scheduler.full``)."""
         k, copies, put_aside = self.k, [], []
         if self.policy:
             copies = self._plan_copies(running, waiting)
@@ -141,12 +142,13 @@ class RoundPlanner:
         return with_state
 
     # -- internals ------------------------------------------------------------------
-    def _plan_copies(self, running: list[Sequence], waiting: int) -> list[CopyCandidate]:
+    def _plan_copies(self, running: list[Sequence], waiting: bool) -> list[CopyCandidate]:
         """The context copies worth verifying if this round goes without the network,
         priced into the policy's plain option.
 
         None (and no search: it costs ~20-40 us a sequence) where several sequences run and
-        no request waits. A copy's accepted tokens end its sequence sooner, and the slot it
+        no request waits for room (one waiting only for its turn to prefill is let in
+        next step regardless). A copy's accepted tokens end its sequence sooner, and the slot it
         frees is what they buy: the copier prices them at the round's rate, as if another
         request took that slot at once. With every request already running none does, and
         the batch's rounds go on until its longest sequences end, which the copies of some
