@@ -146,14 +146,13 @@ class RoundPlanner:
         """The context copies worth verifying if this round goes without the network,
         priced into the policy's plain option.
 
-        None (and no search: it costs ~20-40 us a sequence) where several sequences run and
-        no request waits for room (one waiting only for its turn to prefill is let in
-        next step regardless). A copy's accepted tokens end its sequence sooner, and the slot it
-        frees is what they buy: the copier prices them at the round's rate, as if another
-        request took that slot at once. With every request already running none does, and
-        the batch's rounds go on until its longest sequences end, which the copies of some
-        rows rarely shorten: their rows are a loss (16 requests at C=8 and 32, in process:
-        0.98x plain with copies, 1.00-1.02x without)."""
+        None, and no search for them, where several sequences run and no request waits for
+        room (one waiting only for its turn to prefill is let in next step regardless). A
+        copy's accepted tokens end its sequence sooner, and the slot it frees is what they
+        buy: the copier prices them at the round's rate, as if another request took that
+        slot at once. With every request already running none does, and the batch's rounds
+        go on until its longest sequences end, which copies for some rows rarely shorten:
+        their rows are a loss."""
         if self.copier is None or (len(running) > 1 and not waiting):
             self.policy.plain_tokens = self.policy.plain_rows = 1.0
             return []
