@@ -19,6 +19,10 @@
 
 #include "common.h"
 
+/* bytes ahead of the keys and values being read that the first row of a chunk prefetches
+ * (past the 4 KB page the hardware prefetcher stops at) */
+#define PF_AHEAD 2048
+
 /* a dot product over d (a multiple of LANES): LANES independent partial sums by fused
  * multiply-adds, then a fixed pairwise fold; the same order on every call */
 static inline float dot(const float *a, const float *b, int d) {
@@ -110,13 +114,22 @@ static inline __attribute__((always_inline)) __m512 scores16(const float *q, con
 /* s[j] = dot(q, keys[j]) * scale for j < len, 16 keys at a time; a short last group is
  * widened next to zeros (pad: 16 * d floats) */
 static void scores_of(const float *q, const void *keys, int bf, int64_t len, int d,
-                      float scale, float *s, float *pad) {
+                      float scale, float *s, float *pad, int pf) {
     const __m512 sc = _mm512_set1_ps(scale);
     const size_t esize = bf ? 2 : 4;
     int64_t j0 = 0;
     for (; j0 + 16 <= len; j0 += 16) {
         const void *k = (const char *)keys + (size_t)(j0 * d) * esize;
-        const __m512 dots = bf ? scores16(q, k, 1, d) : scores16(q, k, 0, d);
+        if (pf)
+            for (size_t l = 0; l < 16 * (size_t)d * esize; l += 64)
+                _mm_prefetch((const char *)k + PF_AHEAD + l, _MM_HINT_T0);
+        __m512 dots; /* the common head sizes with d known: the keys at fixed offsets */
+        if (d == 64)
+            dots = bf ? scores16(q, k, 1, 64) : scores16(q, k, 0, 64);
+        else if (d == 128)
+            dots = bf ? scores16(q, k, 1, 128) : scores16(q, k, 0, 128);
+        else
+            dots = bf ? scores16(q, k, 1, d) : scores16(q, k, 0, d);
         _mm512_storeu_ps(s + j0, _mm512_mul_ps(dots, sc));
     }
     const int n = (int)(len - j0);
@@ -156,9 +169,81 @@ static void weigh_values(const float *p, const void *values, int bf, int64_t len
         _mm512_storeu_ps(o + i0, _mm512_mul_ps(a, _mm512_set1_ps(inv)));
     }
 }
+/* weigh_values for G (<= 4) query heads over the same values: p holds G rows of weights
+ * (stride ps), head g's output goes to o + g * os times inv[g]. Each value vector is
+ * loaded once for all the heads and 4 G sums are in flight, where one head alone waits on
+ * its 4 multiply-add chains; every output element is still summed in the order j. */
+static inline __attribute__((always_inline)) void weigh_n(const int G, const float *p, int64_t ps,
+                                                          const void *values, int bf, int64_t len,
+                                                          int d, const float *inv, float *o,
+                                                          int64_t os, int pf) {
+    int i0 = 0;
+    for (; i0 + 64 <= d; i0 += 64) {
+        __m512 a[4][4];
+        for (int g = 0; g < G; g++)
+            for (int t = 0; t < 4; t++) a[g][t] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len; j++) {
+            const int64_t at = j * d + i0;
+            if (pf) {
+                _mm_prefetch((const char *)values + at * (bf ? 2 : 4) + PF_AHEAD, _MM_HINT_T0);
+                if (!bf) _mm_prefetch((const char *)values + at * 4 + PF_AHEAD + 128, _MM_HINT_T0);
+            }
+            const __m512 v0 = load16(values, at, bf), v1 = load16(values, at + 16, bf);
+            const __m512 v2 = load16(values, at + 32, bf), v3 = load16(values, at + 48, bf);
+            for (int g = 0; g < G; g++) {
+                const __m512 pj = _mm512_set1_ps(p[g * ps + j]);
+                a[g][0] = _mm512_fmadd_ps(pj, v0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(pj, v1, a[g][1]);
+                a[g][2] = _mm512_fmadd_ps(pj, v2, a[g][2]);
+                a[g][3] = _mm512_fmadd_ps(pj, v3, a[g][3]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int t = 0; t < 4; t++)
+                _mm512_storeu_ps(o + g * os + i0 + 16 * t,
+                                 _mm512_mul_ps(a[g][t], _mm512_set1_ps(inv[g])));
+    }
+    for (; i0 < d; i0 += 16) {
+        __m512 a[4];
+        for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len; j++) {
+            const __m512 v0 = load16(values, j * d + i0, bf);
+            for (int g = 0; g < G; g++)
+                a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * ps + j]), v0, a[g]);
+        }
+        for (int g = 0; g < G; g++)
+            _mm512_storeu_ps(o + g * os + i0, _mm512_mul_ps(a[g], _mm512_set1_ps(inv[g])));
+    }
+}
+
+static void weigh_values_heads(int G, const float *p, int64_t ps, const void *values, int bf,
+                               int64_t len, int d, const float *inv, float *o, int64_t os,
+                               int pf) {
+    for (int g = 0; g < G; g += 4, pf = 0) {
+        const float *pg = p + g * ps;
+        float *og = o + g * os;
+        switch (G - g < 4 ? G - g : 4) {
+        case 1: weigh_n(1, pg, ps, values, bf, len, d, inv + g, og, os, pf); break;
+        case 2: weigh_n(2, pg, ps, values, bf, len, d, inv + g, og, os, pf); break;
+        case 3: weigh_n(3, pg, ps, values, bf, len, d, inv + g, og, os, pf); break;
+        default: weigh_n(4, pg, ps, values, bf, len, d, inv + g, og, os, pf); break;
+        }
+    }
+}
+
+/* the largest of s[0..n) (scores: never NaN), 16 at a time */
+static inline float max_of(const float *s, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+    float top = _mm512_reduce_max_ps(m);
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+    return top;
+}
 #else
 static void scores_of(const float *q, const void *keys, int bf, int64_t len, int d,
-                      float scale, float *s, float *pad) {
+                      float scale, float *s, float *pad, int pf) {
+    (void)pf;
     const size_t esize = bf ? 2 : 4;
     for (int64_t j = 0; j < len; j++) { /* pad: one widened key at a time */
         widen_row((const char *)keys + (size_t)(j * d) * esize, bf, d, pad);
@@ -177,25 +262,76 @@ static void weigh_values(const float *p, const void *values, int bf, int64_t len
     }
     for (int i = 0; i < d; i++) o[i] *= inv;
 }
+static void weigh_values_heads(int G, const float *p, int64_t ps, const void *values, int bf,
+                               int64_t len, int d, const float *inv, float *o, int64_t os,
+                               int pf) {
+    (void)pf;
+    for (int g = 0; g < G; g++) weigh_values(p + g * ps, values, bf, len, d, inv[g], o + g * os);
+}
+
+static inline float max_of(const float *s, int64_t n) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
+    return top;
+}
 #endif
 
-/* One query row of one head against its KV head's keys 0..len-1. The two paths above
- * compute the same bits. */
-static void attend_row(const float *q, float *out, const void *keys, const void *values, int bf,
-                       int64_t len, int d, float scale, float *s, float *pad) {
-    scores_of(q, keys, bf, len, d, scale, s, pad);
-    float m = -INFINITY;
-    for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
-    for (int64_t j = 0; j < len; j++) s[j] = exp_neg(s[j] - m);
-    const float inv = 1.0f / lane_sum(s, (int)len);
-    weigh_values(s, values, bf, len, d, inv, out);
+/* Keys per chunk. A row attends to its keys in chunks at fixed positions (0..KC-1, KC..),
+ * each chunk's softmax taken alone and the chunks merged in order afterwards (the
+ * flash-decoding split), so the arithmetic of a row depends on its length only. Why
+ * chunks: a verify block's rows and a KV head's query heads all read the same keys; an
+ * item of work is one (sequence, KV head, chunk), whose rows and heads take its keys one
+ * after another while they sit in L2, so a long cache streams from memory once a forward
+ * instead of once a row and head; and a single long sequence still splits over the cores. */
+#define KC 256
+
+/* One row's softmax over one chunk of n keys, for G query heads of one KV head (queries
+ * q + g * d). With ``whole`` the chunk is the row's only one and head g's output, at
+ * out + g * os, is the attention itself (weights over their sum); otherwise it is the
+ * unnormalised sum of weights times values, and m[g * ms], l[g * ms] the chunk's max score
+ * and weight sum, for merge_chunks. s: G * KC scores. The two paths above compute the
+ * same bits. */
+static void attend_chunk(int G, const float *q, float *out, int64_t os, const void *keys,
+                         const void *values, int bf, int64_t n, int d, float scale, int whole,
+                         float *m, float *l, int64_t ms, float *s, float *pad, int pf) {
+    float inv[G];
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * KC;
+        scores_of(q + g * d, keys, bf, n, d, scale, sg, pad, pf && g == 0);
+        const float top = max_of(sg, n);
+        for (int64_t j = 0; j < n; j++) sg[j] = exp_neg(sg[j] - top);
+        const float sum = lane_sum(sg, (int)n);
+        inv[g] = whole ? 1.0f / sum : 1.0f; /* times 1: exact */
+        if (!whole) {
+            m[g * ms] = top;
+            l[g * ms] = sum;
+        }
+    }
+    weigh_values_heads(G, s, KC, values, bf, n, d, inv, out, os, pf);
 }
+
+/* A row's nch chunk results (o: nch x d, m, l) merged in chunk order into out */
+static void merge_chunks(const float *o, const float *m, const float *l, int64_t nch, int d,
+                         float *out) {
+    float top = -INFINITY, sum = 0.0f;
+    for (int64_t c = 0; c < nch; c++) top = m[c] > top ? m[c] : top;
+    for (int i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t c = 0; c < nch; c++) {
+        const float w = exp_neg(m[c] - top);
+        sum = fmaf(l[c], w, sum);
+        for (int i = 0; i < d; i++) out[i] = fmaf(o[c * d + i], w, out[i]);
+    }
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < d; i++) out[i] *= inv;
+}
+
+static inline int64_t chunks_of(int64_t len) { return (len + KC - 1) / KC; }
 
 /* q [T, heads * d] (row stride q_stride), k/v new rows [T, kv_heads * d] (strides
  * k_stride / v_stride), out [T, heads * d] contiguous. Per sequence s: its cache base
  * (layer 0, K, head 0) base[s], capacity cap[s], first position start[s], new rows
- * nnew[s] beginning at row row0[s]; kv_bf16: the cache holds bf16. Returns 0, or -1 when
- * d is not a multiple of LANES. */
+ * nnew[s] beginning at row row0[s]; kv_bf16: the cache holds bf16. Returns 0, -1 when
+ * d is not a multiple of LANES, -2 when out of memory. */
 int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
               const float *v, int64_t v_stride, float *out, int64_t nseq, const int64_t *base,
               const int64_t *cap, const int64_t *start, const int64_t *nnew, const int64_t *row0,
@@ -203,11 +339,6 @@ int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride
     if (d % LANES) return -1;
     const int group = heads / kv_heads, bf = kv_bf16 != 0;
     const size_t esize = bf ? 2 : 4;
-    int64_t rows = 0, max_len = 0;
-    for (int64_t s = 0; s < nseq; s++) {
-        rows += nnew[s];
-        if (start[s] + nnew[s] > max_len) max_len = start[s] + nnew[s];
-    }
     /* store the new rows (every sequence, before any attends); element offsets below */
     for (int64_t s = 0; s < nseq; s++) {
         const int64_t kc = layer * 2 * kv_heads * cap[s] * d, vc = kc + kv_heads * cap[s] * d;
@@ -230,35 +361,78 @@ int ls_attend(const float *q, int64_t q_stride, const float *k, int64_t k_stride
                 }
             }
     }
-    /* one item per (row, KV head): its query heads run back to back over the same keys
-     * (from cache). Few rows (a decode step at low load) go one item per query head
-     * instead, so both cores share the step's cache reads; the order of operations per
-     * row and head is the same either way. */
-    const int split = rows * kv_heads < 4 * omp_get_max_threads() ? group : 1;
-    const int64_t items = rows * kv_heads * split, scratch = (max_len > 0 ? max_len : 1) + 16 * d;
-#pragma omp parallel if (items > 8 || items * max_len > 1024)
+    /* items: (sequence, KV head, chunk), numbered sequence by sequence (first[s]); the
+     * chunk results of rows with more than one chunk go to part (rows' slots from slot[s]) */
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * nseq + 2));
+    if (first == NULL) return -2;
+    int64_t *slot = first + nseq + 1, rows = 0, merged = 0, work = 0;
+    first[0] = slot[0] = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        const int64_t nch = chunks_of(start[s] + nnew[s]);
+        first[s + 1] = first[s] + kv_heads * nch;
+        slot[s + 1] = slot[s] + (nch > 1 ? nnew[s] * heads * nch : 0);
+        rows += nnew[s];
+        merged += nch > 1 ? nnew[s] : 0;
+        work += nnew[s] * (start[s] + nnew[s]);
+    }
+    float *part = NULL;
+    if (slot[nseq] > 0 && (part = malloc(sizeof(float) * (size_t)(slot[nseq] * (d + 2)))) == NULL) {
+        free(first);
+        return -2;
+    }
+    float *part_m = part ? part + slot[nseq] * d : NULL, *part_l = part_m ? part_m + slot[nseq] : NULL;
+    /* few items (a decode step at low load, short caches) go one per query head as well,
+     * so both cores share the step; the order of operations per row and head is the same */
+    const int split = first[nseq] < 4 * omp_get_max_threads() ? group : 1;
+    const int64_t items = first[nseq] * split;
+#pragma omp parallel if (items > 8 || work * heads > 1024)
     {
-        float *scores = malloc(sizeof(float) * (size_t)scratch);
+        float *scores = malloc(sizeof(float) * (size_t)(group * KC + 16 * d));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t unit = it / split;
-            int64_t r = unit / kv_heads, s = 0;
-            const int h = (int)(unit % kv_heads);
-            while (r >= nnew[s]) r -= nnew[s++]; /* r: the row within sequence s */
-            const int64_t row = row0[s] + r, len = start[s] + r + 1;
+            int64_t s = 0;
+            while (unit >= first[s + 1]) s++;
+            const int64_t nch = chunks_of(start[s] + nnew[s]);
+            const int h = (int)((unit - first[s]) / nch);
+            const int64_t c = (unit - first[s]) % nch;
             const int64_t kc = layer * 2 * kv_heads * cap[s] * d + (int64_t)h * cap[s] * d;
             const char *cache = (const char *)(intptr_t)base[s];
-            const void *keys = cache + kc * esize;
-            const void *values = cache + (kc + (int64_t)kv_heads * cap[s] * d) * esize;
-            const int g0 = split > 1 ? (int)(it % split) : 0, g1 = split > 1 ? g0 + 1 : group;
-            for (int g = g0; g < g1; g++) {
-                const int64_t hq = (int64_t)h * group + g;
-                attend_row(q + row * q_stride + hq * d, out + row * (int64_t)heads * d + hq * d,
-                           keys, values, bf, len, d, scale, scores, scores + scratch - 16 * d);
+            const void *keys = cache + (kc + c * KC * d) * esize;
+            const void *values = cache + (kc + (int64_t)kv_heads * cap[s] * d + c * KC * d) * esize;
+            const int g0 = split > 1 ? (int)(it % split) : 0, G = split > 1 ? 1 : group;
+            const int64_t hq = (int64_t)h * group + g0;
+            int pf = 1; /* the first row streams the chunk from memory: it prefetches ahead */
+            for (int64_t r = 0; r < nnew[s]; r++) {
+                const int64_t len = start[s] + r + 1, n = len - c * KC < KC ? len - c * KC : KC;
+                if (n <= 0) continue; /* this chunk is past the row's keys */
+                const int64_t row = row0[s] + r, at = slot[s] + (r * heads + hq) * nch + c;
+                const float *qr = q + row * q_stride + hq * d;
+                if (chunks_of(len) == 1)
+                    attend_chunk(G, qr, out + (row * heads + hq) * d, d, keys, values, bf, n, d,
+                                 scale, 1, NULL, NULL, 0, scores, scores + G * KC, pf);
+                else
+                    attend_chunk(G, qr, part + at * d, nch * d, keys, values, bf, n, d, scale, 0,
+                                 part_m + at, part_l + at, nch, scores, scores + G * KC, pf);
+                pf = 0; /* the chunk is in cache for the rows after the first */
             }
+        }
+        /* rows over more than one chunk: merge their chunks, in order */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < (merged ? rows * heads : 0); it++) {
+            int64_t r = it / heads, s = 0;
+            const int64_t hq = it % heads;
+            while (r >= nnew[s]) r -= nnew[s++]; /* r: the row within sequence s */
+            const int64_t nch = chunks_of(start[s] + nnew[s]), len = start[s] + r + 1;
+            const int64_t at = slot[s] + (r * heads + hq) * nch;
+            if (chunks_of(len) > 1)
+                merge_chunks(part + at * d, part_m + at, part_l + at, chunks_of(len), d,
+                             out + (row0[s] + r) * (int64_t)heads * d + hq * d);
         }
         free(scores);
     }
+    free(part);
+    free(first);
     return 0;
 }
 
@@ -308,9 +482,9 @@ int ls_draft_attend(const float *q, const float *kb, const float *vb, const int6
             for (int r = 0; r < S; r++) {
                 const float *qr = q + ((i * S + r) * heads + hq) * d;
                 float *o = out + ((i * S + r) * heads + hq) * d;
-                scores_of(qr, kc, 0, C, d, scale, s, pad);
-                scores_of(qr, kbl, 0, S, d, scale, s + C, pad);
-                scores_of(qr, ks, 0, R, d, scale, s + C + S, pad);
+                scores_of(qr, kc, 0, C, d, scale, s, pad, 0);
+                scores_of(qr, kbl, 0, S, d, scale, s + C, pad, 0);
+                scores_of(qr, ks, 0, R, d, scale, s + C + S, pad, 0);
                 for (int c = 0; c < C; c++)
                     if (!keep[c]) s[c] = -INFINITY;
                 for (int t = 0; t < R; t++)

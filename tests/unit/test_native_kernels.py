@@ -56,8 +56,8 @@ def attend(seqs, heads=6, kv_heads=2, hd=32, lib=None, kv_dtype=torch.float32):
 def test_attention_matches_fp64_sdpa_and_stores_the_new_rows(kv_dtype):
     """A bf16 cache holds the new rows as torch rounds them, and each row's output is the
     fp32 attention over those keys and values, as with an fp32 cache."""
-    lens, news = [0, 300, 77, 5], [1, 8, 3, 1]
-    cache, q, k, v, out = attend(list(zip(lens, news, range(4), strict=True)), kv_dtype=kv_dtype)
+    lens, news = [0, 300, 77, 5, 1500], [1, 8, 3, 1, 4]  # 300, 1500: over several chunks
+    cache, q, k, v, out = attend(list(zip(lens, news, range(5), strict=True)), kv_dtype=kv_dtype)
     off, group = 0, 3
     for s, (length, n) in enumerate(zip(lens, news, strict=True)):
         keys, values = cache.view(1, s, length + n)
@@ -74,18 +74,20 @@ def test_attention_matches_fp64_sdpa_and_stores_the_new_rows(kv_dtype):
             assert (ref.flatten().float() - out[off + r]).abs().max().item() < 1e-5
         off += n
     assert torch.equal(attend([(77, 3, 2)], kv_dtype=kv_dtype)[-1], out[9:12])  # alone
+    assert torch.equal(attend([(1500, 4, 4)], kv_dtype=kv_dtype)[-1], out[13:17])
 
 
-def test_a_row_is_the_same_alone_in_a_block_or_in_any_batch():
+@pytest.mark.parametrize("length", [40, 250, 700])  # 250: the block crosses a chunk's end
+def test_a_row_is_the_same_alone_in_a_block_or_in_any_batch(length):
     """Bit for bit: a sequence's rows do not depend on the others in the call, and row i
     of a verify block equals the 1-row step at the same position."""
-    _, _, _, _, alone = attend([(40, 8, 3)])
-    _, _, _, _, batched = attend([(500, 1, 4), (40, 8, 3), (3, 6, 5)])
+    _, _, _, _, alone = attend([(length, 8, 3)])
+    _, _, _, _, batched = attend([(500, 1, 4), (length, 8, 3), (3, 6, 5), (1100, 2, 6)])
     assert torch.equal(alone, batched[1:9])
-    # the same sequence one row at a time: row i sees the cache up to 40 + i
-    cache, q, k, v, block = attend([(40, 8, 3)])
+    # the same sequence one row at a time: row i sees the cache up to length + i
+    cache, q, k, v, block = attend([(length, 8, 3)])
     for i in range(8):
-        batch = ForwardBatch([0], torch.zeros(1, dtype=torch.long), [1], [40 + i], [1])
+        batch = ForwardBatch([0], torch.zeros(1, dtype=torch.long), [1], [length + i], [1])
         plan = _AttnPlan(batch, 3, cache, native.library())
         one = torch.empty(1, 6 * 32)
         _layer(6, 2, 32)._attend_native(plan, 1, q[i : i + 1], k[i : i + 1], v[i : i + 1], one)
@@ -97,7 +99,7 @@ def test_attention_paths_agree_bit_for_bit(kv_dtype):
     """The AVX-512 attention (16 keys' scores folded at once) and the portable one compute
     the same bits: the same multiply-adds and the same pairwise fold for every score."""
     portable = native.build_variant(("-mno-avx512f",))
-    seqs = [(0, 1, 1), (300, 8, 2), (77, 3, 3), (16, 1, 4), (33, 2, 5)]
+    seqs = [(0, 1, 1), (300, 8, 2), (77, 3, 3), (16, 1, 4), (33, 2, 5), (1030, 8, 6)]
     for hd in (32, 64, 80):  # 80: a head wider than four vectors' step
         args = dict(heads=9, kv_heads=3, hd=hd, kv_dtype=kv_dtype)
         fast = attend(seqs, **args)[-1]
