@@ -1,5 +1,4 @@
-"""Memory that Linux backs with 2 MB pages: a model's quantized GEMM weights in one buffer,
-and each sequence's KV cache.
+"""A model's quantized GEMM weights in one buffer that Linux backs with 2 MB pages.
 
 A decode step streams every weight once, ~90 MB for the default model. In 4 KB pages that
 is a TLB miss every 4 KB of weights, and the prefetch the GEMMs issue a tile ahead lands on
@@ -9,14 +8,10 @@ advises, and each linear's tensors are small separate allocations. So after the 
 are final, ``into_arena`` copies them into one anonymous mapping advised
 ``MADV_HUGEPAGE`` and points the linears at views of it. Where the kernel declines (THP
 ``never``, no ``MADV_HUGEPAGE``), the weights still work from the mapping in 4 KB pages.
-
-A long sequence's attention streams its KV cache the same way (hundreds of MB a step at
-thousands of tokens), so ``huge_zeros`` gives a sequence's cache the same kind of memory.
 """
 
 from __future__ import annotations
 
-import math
 import mmap
 from collections.abc import Iterable
 
@@ -69,10 +64,3 @@ def into_arena(holders: Iterable[object]) -> Arena | None:
     for h, name in found:
         setattr(h, name, arena.take(getattr(h, name).contiguous()))
     return arena
-
-
-def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor of ``shape`` in memory advised for 2 MB pages (anonymous pages
-    come zeroed); the tensor holds its mapping alive."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return Arena(nbytes).buf.view(dtype).view(shape)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .arena import HUGE_PAGE, huge_zeros
 from .errors import LongSparkError
 
 
@@ -89,11 +88,8 @@ class KVCache:
                 raise KVCacheFull(
                     f"KV cache full: sequence {seq_id} needs {need} more blocks, {self.free_blocks} free"
                 )
-        shape = (*self.shape[:3], want, self.shape[3])
-        if self.device.type == "cpu" and self.blocks_for(want) * self.bytes_per_block >= HUGE_PAGE:
-            data = huge_zeros(shape, self.dtype)  # streamed every step: 2 MB pages
-        else:
-            data = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        layers, two, heads, hd = self.shape
+        data = torch.zeros(layers, two, heads, want, hd, dtype=self.dtype, device=self.device)
         if seq is None:
             self.seqs[seq_id] = _SeqKV(data)
         else:
