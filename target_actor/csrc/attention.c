@@ -283,7 +283,7 @@ static inline float max_of(const float *s, int64_t n) {
  * item of work is one (sequence, KV head, chunk), whose rows and heads take its keys one
  * after another while they sit in L2, so a long cache streams from memory once a forward
  * instead of once a row and head; and a single long sequence still splits over the cores. */
-#define KC 256
+#define KC 128
 
 /* One row's softmax over one chunk of n keys, for G query heads of one KV head (queries
  * q + g * d). With ``whole`` the chunk is the row's only one and head g's output, at

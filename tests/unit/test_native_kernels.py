@@ -77,7 +77,7 @@ def test_attention_matches_fp64_sdpa_and_stores_the_new_rows(kv_dtype):
     assert torch.equal(attend([(1500, 4, 4)], kv_dtype=kv_dtype)[-1], out[13:17])
 
 
-@pytest.mark.parametrize("length", [40, 250, 700])  # 250: the block crosses a chunk's end
+@pytest.mark.parametrize("length", [40, 124, 250, 700])  # 124, 250: blocks across chunks
 def test_a_row_is_the_same_alone_in_a_block_or_in_any_batch(length):
     """Bit for bit: a sequence's rows do not depend on the others in the call, and row i
     of a verify block equals the 1-row step at the same position."""
