@@ -1,11 +1,11 @@
 /* Decode and verify attention for every sequence of a forward in one call.
  *
- * Each query row attends to its own sequence's cached keys 0..pos (causal), one
- * row at a time, in a fixed order of operations that depends only on that row's
- * query and keys: a row's output is bit for bit the same whether it is a 1-row
- * decode step, one row of a verify block, or shares the call with any other
- * sequences. That is what makes speculative output equal plain output and keeps
- * one request's numbers independent of the batch it rides in.
+ * Each query row attends to its own sequence's cached keys 0..pos (causal), in chunks of
+ * keys at fixed positions (KC below), in a fixed order of operations that depends only on
+ * that row's query and keys: a row's output is bit for bit the same whether it is a 1-row
+ * decode step, one row of a verify block, or shares the call with any other sequences.
+ * That is what makes speculative output equal plain output and keeps one request's
+ * numbers independent of the batch it rides in.
  *
  * Cache layout (target_actor/kv_cache.py): one contiguous block per sequence,
  * [layers, 2, kv_heads, capacity, head_dim], fp32 or bf16 (half the bytes to read at high
