@@ -21,6 +21,11 @@ falls on both alike; each stage reports the median repeat, and spec / plain is t
 of the paired ratios (every repeat's values are in the report). Single runs on a shared
 2-vCPU machine move that ratio by ~0.2, which is what the pairing is for.
 
+With ``prompt_lens``, each repeat also sends ``long_prompts`` long prompts of each length
+(XSum articles or HumanEval problems concatenated, :mod:`.long_prompts`) one at a time: a
+stage ``prompt_len=N`` per length, where TTFT is the prefill and TPOT the decode at that
+context. The peers' servers then take 8,192-token contexts (the model's), 4,096 otherwise.
+
 The report (JSON + PNG) has each system's tokens/s and TPOT / TTFT percentiles per C and
 ours over each peer, all from this one run; and, with C=1 in the run, what serving adds
 to a token: each of our servers alone at C=1 and the same engine in this process (no Ray,
@@ -46,6 +51,7 @@ from services.bench.summary import summarize_level
 
 SYSTEMS = ("longspark", "longspark_ar", "vllm", "llamacpp")
 READY_TIMEOUT_S = 600.0
+MODEL_CONTEXT = 8192  # the default model's positions: the peers' context with long prompts
 
 
 @dataclass
@@ -68,6 +74,14 @@ class ServedPeersConfig:
     # llama.cpp's extra CPU buffer types (AMX, repacking); off where the CPU has AMX,
     # whose llama.cpp matmul crashes on the Q4_1 file (services/bench/llama_server.py)
     llama_extra_bufts: bool = field(default_factory=lambda: not _host_has_amx())
+    prompt_lens: list[int] = field(default_factory=list)  # long prompts at C=1, per length
+    long_prompts: int = 2  # ... of each length
+    long_source: str = "xsum"
+
+    @property
+    def context(self) -> int:
+        """The context the peers' servers are started with."""
+        return MODEL_CONTEXT if self.prompt_lens else 4096
 
 
 def _host_has_amx() -> bool:
@@ -92,14 +106,14 @@ def _command(system: str, cfg: ServedPeersConfig, port: int) -> tuple[list[str],
         python = str(cfg.vllm_venv / "bin" / "python")
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port)]
         cmd += ["--model", str(fetch_default_model()), "--dtype", cfg.vllm_dtype]
-        cmd += ["--max-num-seqs", str(max(cfg.concurrency)), "--max-model-len", "4096"]
+        cmd += ["--max-num-seqs", str(max(cfg.concurrency)), "--max-model-len", str(cfg.context)]
         return [*cmd, "--stream-interval", str(cfg.stream_interval)], env
     if system == "llamacpp":
         python = str(cfg.llama_venv / "bin" / "python")
         cmd = [python, str(Path(__file__).with_name("llama_server.py"))]
         cmd += [] if cfg.llama_extra_bufts else ["--no-extra-bufts"]
         cmd += ["--port", str(port), "--host", "127.0.0.1"]
-        cmd += ["--model", str(fetch_default_gguf()), "--n_ctx", "4096"]
+        cmd += ["--model", str(fetch_default_gguf()), "--n_ctx", str(cfg.context)]
         # it runs one request at a time; by default a new request interrupts the running one
         return [*cmd, "--n_threads", str(cfg.threads), "--interrupt_requests", "False"], env
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
@@ -183,52 +197,71 @@ async def _drive(
     clients = {s: make_client(u) for s, u in urls.items()}
     model = await next(iter(clients.values())).model()
     mix = [[{"role": "user", "content": p}] for p in mix_prompts(cfg.num_prompts, cfg.seed)]
+    # (name, concurrency, value, prompts): the mix at each C, then long prompts one at a time
+    stages = [(f"C={c}", c, c, repeat_to(mix, max(cfg.num_prompts, c))) for c in cfg.concurrency]
+    stages += [(f"prompt_len={n}", 1, n, msgs) for n, msgs in _long_stages(cfg)]
     for client in clients.values():
         await send_one(client, model, mix[0], 8, extra_body=extra)  # warm-up
-    runs: dict[str, dict[int, list[dict[str, Any]]]] = {s: {} for s in urls}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {} for s in urls}
     order = list(urls)
     for rep in range(repeats):
-        for c in cfg.concurrency:
-            prompts = repeat_to(mix, max(cfg.num_prompts, c))
+        for name, c, _, prompts in stages:
             for system in order if rep % 2 == 0 else order[::-1]:
                 records, wall = await run_level(
                     clients[system], model, prompts, c, cfg.max_tokens, extra_body=extra
                 )
-                runs[system].setdefault(c, []).append(summarize_level(records, wall))
+                runs[system].setdefault(name, []).append(summarize_level(records, wall))
     for client in clients.values():
         await client.close()
     out: dict[str, Any] = {}
-    for system, by_c in runs.items():
-        stages = []
-        for c, reps in by_c.items():
+    for system, by_stage in runs.items():
+        rows = []
+        for name, c, value, _ in stages:
+            reps = by_stage[name]
             ranked = sorted(reps, key=lambda r: r["output_tokens_per_s"] or 0)
-            stages.append(
+            rows.append(
                 {
-                    "stage": f"C={c}",
+                    "stage": name,
                     "concurrency": c,
-                    "value": c,
+                    "value": value,
                     **ranked[(len(ranked) - 1) // 2],  # the median repeat (lower, if even)
                     "repeats_tokens_per_s": [r["output_tokens_per_s"] for r in reps],
                     "repeats_tpot_p50_ms": [(r["tpot_ms"] or {}).get("p50") for r in reps],
                 }
             )
-        out[system] = stages
+        out[system] = rows
     if {"longspark", "longspark_ar"} <= set(runs):
         paired = []
-        for c in cfg.concurrency:
+        for name, *_ in stages:
             ratios = [
                 round(a["output_tokens_per_s"] / b["output_tokens_per_s"], 3)
-                for a, b in zip(runs["longspark"][c], runs["longspark_ar"][c], strict=True)
+                for a, b in zip(runs["longspark"][name], runs["longspark_ar"][name], strict=True)
                 if a["output_tokens_per_s"] and b["output_tokens_per_s"]
             ]
             paired.append(
                 {
-                    "stage": f"C={c}",
+                    "stage": name,
                     "ratios": ratios,
                     "median": round(statistics.median(ratios), 3) if ratios else None,
                 }
             )
         out["paired_spec_over_plain"] = paired
+    return out
+
+
+def _long_stages(cfg: ServedPeersConfig) -> list[tuple[int, list]]:
+    """(length, chat prompts) per long-prompt length, each cut to leave the answer room."""
+    if not cfg.prompt_lens:
+        return []
+    from services.bench.long_prompts import long_prompts
+    from services.engine.tokenizer import Tokenizer
+    from target_actor.checkpoint import fetch_default_model
+
+    tok = Tokenizer(str(fetch_default_model()))
+    out = []
+    for n in cfg.prompt_lens:
+        n = min(n, MODEL_CONTEXT - cfg.max_tokens - 1)
+        out.append((n, long_prompts(tok, cfg.long_source, n, cfg.long_prompts)))
     return out
 
 
@@ -403,6 +436,10 @@ def run_served_peers(cfg: ServedPeersConfig) -> dict[str, Any]:
             "vllm_dtype": cfg.vllm_dtype,
             "llamacpp_file": "the default model's Q4_1 GGUF",
             "llamacpp_extra_bufts": cfg.llama_extra_bufts,
+            "prompt_lens": cfg.prompt_lens,
+            "long_prompts": cfg.long_prompts if cfg.prompt_lens else None,
+            "long_source": cfg.long_source if cfg.prompt_lens else None,
+            "peer_context": cfg.context,
         },
         "systems": systems,
         "skipped": skipped,
@@ -420,17 +457,29 @@ def plot_served_peers(report: dict[str, Any], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    long = any(
+        r["stage"].startswith("prompt_len=")
+        for v in report["systems"].values()
+        for r in v["stages"]
+    )
+    fig, axes = plt.subplots(1, 3 if long else 2, figsize=(16 if long else 11, 4.5))
     for name, result in report["systems"].items():
-        xs = [r["concurrency"] for r in result["stages"]]
-        axes[0].plot(
-            xs, [r["output_tokens_per_s"] for r in result["stages"]], marker="o", label=name
-        )
-        axes[1].plot(
-            xs, [(r["tpot_ms"] or {}).get("p50") for r in result["stages"]], marker="o", label=name
-        )
+        by_c = [r for r in result["stages"] if r["stage"].startswith("C=")]
+        xs = [r["concurrency"] for r in by_c]
+        axes[0].plot(xs, [r["output_tokens_per_s"] for r in by_c], marker="o", label=name)
+        axes[1].plot(xs, [(r["tpot_ms"] or {}).get("p50") for r in by_c], marker="o", label=name)
+        if long:
+            by_len = [r for r in result["stages"] if r["stage"].startswith("prompt_len=")]
+            axes[2].plot(
+                [r["value"] for r in by_len],
+                [(r["tpot_ms"] or {}).get("p50") for r in by_len],
+                marker="o",
+                label=name,
+            )
     axes[0].set(title="output tokens/s (served)", xlabel="concurrency", xscale="log")
     axes[1].set(title="TPOT p50 (ms)", xlabel="concurrency", xscale="log")
+    if long:
+        axes[2].set(title="TPOT p50 (ms), one request", xlabel="prompt tokens")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()

@@ -167,6 +167,16 @@ def _add_serving_benchmarks(bench_sub: Any) -> None:
         help="--served: measure our two modes this many times in interleaved pairs "
         "(both servers up, taking turns); stages report the median repeat",
     )
+    pe.add_argument(
+        "--prompt-len",
+        type=positive_int_list,
+        default=[],
+        help="--served: also long prompts of these token counts, one at a time (e.g. 2000,6000)",
+    )
+    pe.add_argument(
+        "--long-prompts", type=positive_int, default=2, help="--served: prompts per length"
+    )
+    pe.add_argument("--long-source", choices=["xsum", "humaneval"], default="xsum")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -300,6 +310,9 @@ def _served_peers(args: argparse.Namespace) -> dict[str, Any]:
         repeats=args.repeats,
         stream_interval=args.stream_interval,
         target_process=args.target_process,
+        prompt_lens=args.prompt_len,
+        long_prompts=args.long_prompts,
+        long_source=args.long_source,
     )
     return run_served_peers(cfg)
 

@@ -75,3 +75,32 @@ def test_where_our_target_computes_reaches_our_servers():
     for system in ("longspark", "longspark_ar"):
         cmd, _ = served_peers._command(system, cfg, 8123)
         assert cmd[cmd.index("--target-process") + 1] == "replica", system
+
+
+def test_long_prompts_run_one_at_a_time_after_the_mix_and_widen_the_peers_context(monkeypatch):
+    seen: list[tuple[int, int]] = []  # (concurrency, prompts) of each stage run
+
+    async def run_level(client, model, prompts, c, max_tokens, extra_body=None):
+        seen.append((c, len(prompts)))
+        return [RequestRecord(0, ok=True, ttft_s=0.5, e2e_s=1.0, output_tokens=10)], 1.0
+
+    async def send_one(*args, **kwargs):
+        return RequestRecord(0, ok=True)
+
+    long = [[{"role": "user", "content": "x"}]] * 3
+    monkeypatch.setattr(served_peers, "make_client", _Client)
+    monkeypatch.setattr(served_peers, "run_level", run_level)
+    monkeypatch.setattr(served_peers, "send_one", send_one)
+    monkeypatch.setattr(served_peers, "_long_stages", lambda cfg: [(5000, long)])
+    cfg = ServedPeersConfig(concurrency=[4], num_prompts=4, prompt_lens=[5000], long_prompts=3)
+    out = asyncio.run(served_peers._drive({"vllm": "http://v"}, cfg, {}))
+    assert seen == [(4, 4), (1, 3)]
+    assert [(r["stage"], r["concurrency"], r["value"]) for r in out["vllm"]] == [
+        ("C=4", 4, 4),
+        ("prompt_len=5000", 1, 5000),
+    ]
+    for system in ("vllm", "llamacpp"):
+        cmd, _ = served_peers._command(system, cfg, 8123)
+        flag = "--max-model-len" if system == "vllm" else "--n_ctx"
+        assert cmd[cmd.index(flag) + 1] == "8192", system
+    assert ServedPeersConfig(concurrency=[1]).context == 4096
