@@ -44,7 +44,7 @@ class _AttnPlan:
     """
 
     def __init__(
-        self, batch: ForwardBatch, group: int, cache: KVCache, lib=None, row_exact: bool = False
+        self, batch: ForwardBatch, cache: KVCache, lib=None, row_exact: bool = False
     ) -> None:
         self.row_exact = row_exact
         device = cache.device
@@ -62,15 +62,28 @@ class _AttnPlan:
                     # query i (absolute start+i) sees keys 0..start+i
                     q_pos = torch.arange(start, start + n, device=device).unsqueeze(1)
                     keys = torch.arange(start + n, device=device).unsqueeze(0)
-                    mask = (keys <= q_pos).repeat(group, 1)
+                    mask = keys <= q_pos
                 self.items.append((seq_id, off, start, n, mask))
             off += n
+        self._additive: dict[int, torch.Tensor] = {}
         self.native = None
         if native_rows:
             # columns: cache base, capacity, start, rows, first row (kept alive here);
             # host memory: the C kernel reads it (CPU only)
             self.meta = torch.tensor(native_rows, dtype=torch.int64, device="cpu").t().contiguous()
             self.native = (lib.ls_attend, len(native_rows), *(c.data_ptr() for c in self.meta))
+
+    def additive_mask(self, item: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Item ``item``'s mask as SDPA's additive one (0 where a key is seen, -inf where
+        not), built once a forward: SDPA turns a boolean mask into this itself at every
+        layer, a quarter of a long prompt chunk's attention (the same bits either way)."""
+        mask = self.items[item][4]
+        if mask is None:
+            return None
+        if item not in self._additive:
+            add = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._additive[item] = add.masked_fill_(~mask, float("-inf"))
+        return self._additive[item]
 
 
 class DecoderLayer(nn.Module):
@@ -194,7 +207,7 @@ class DecoderLayer(nn.Module):
         out = torch.empty(T, self.heads * hd, dtype=q.dtype, device=q.device)
         if plan.native is not None:
             self._attend_native(plan, layer_id, q, k, v, out)
-        for seq_id, off, start, n, mask in plan.items:
+        for item, (seq_id, off, start, n, _) in enumerate(plan.items):
             cache.write(layer_id, seq_id, start, k[off : off + n], v[off : off + n])
             if plan.row_exact and 1 < n <= EXACT_ROWS:
                 for i in range(off, off + n):
@@ -206,11 +219,17 @@ class DecoderLayer(nn.Module):
                     out[i] = o.reshape(-1)
                 continue
             keys, values = cache.view(layer_id, seq_id, start + n, q.dtype)  # [kv_heads, L, hd]
-            # fold the query heads of one KV group together: [1, kv_heads, group * n, hd];
-            # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to ~15 small ops)
-            qs = q[off : off + n].transpose(0, 1).reshape(1, self.kv_heads, group * n, hd)
+            # [1, heads, n, hd] against [1, kv_heads, L, hd] (GQA): 4-D inputs take torch's
+            # fused CPU kernel (3-D ones fall back to ~15 small ops), and the [n, L] mask is
+            # shared by every head
+            qs = q[off : off + n].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
-                qs, keys[None], values[None], attn_mask=mask, scale=self.scale
+                qs,
+                keys[None],
+                values[None],
+                attn_mask=plan.additive_mask(item, q.dtype),
+                scale=self.scale,
+                enable_gqa=group > 1,
             )
             out[off : off + n] = o.view(self.heads, n, hd).transpose(0, 1).reshape(n, -1)
         return out
@@ -334,8 +353,8 @@ class TargetModel(nn.Module):
             p for s, n in zip(batch.start_pos, batch.num_new, strict=True) for p in range(s, s + n)
         ]
         cos, sin = self.rope.lookup(positions)
-        ops, group = self.ops, self.cfg.num_heads // self.cfg.num_kv_heads
-        plan = _AttnPlan(batch, group, cache, ops.lib, self.row_exact)
+        ops = self.ops
+        plan = _AttnPlan(batch, cache, ops.lib, self.row_exact)
         # the round's token ids: built on this device by the verifier; a batch from
         # elsewhere (tests, the channel) comes in host memory and crosses here
         h, y = self.embed_tokens(batch.token_ids.to(self.device)), None

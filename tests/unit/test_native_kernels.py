@@ -46,7 +46,7 @@ def attend(seqs, heads=6, kv_heads=2, hd=32, lib=None, kv_dtype=torch.float32):
     batch = ForwardBatch(
         list(range(len(seqs))), torch.zeros(T, dtype=torch.long), news, [s[0] for s in seqs], news
     )
-    plan = _AttnPlan(batch, heads // kv_heads, cache, lib or native.library())
+    plan = _AttnPlan(batch, cache, lib or native.library())
     out = torch.empty(T, heads * hd)
     _layer(heads, kv_heads, hd)._attend_native(plan, 1, q, k, v, out)
     return cache, q, k, v, out
@@ -88,7 +88,7 @@ def test_a_row_is_the_same_alone_in_a_block_or_in_any_batch(length):
     cache, q, k, v, block = attend([(length, 8, 3)])
     for i in range(8):
         batch = ForwardBatch([0], torch.zeros(1, dtype=torch.long), [1], [length + i], [1])
-        plan = _AttnPlan(batch, 3, cache, native.library())
+        plan = _AttnPlan(batch, cache, native.library())
         one = torch.empty(1, 6 * 32)
         _layer(6, 2, 32)._attend_native(plan, 1, q[i : i + 1], k[i : i + 1], v[i : i + 1], one)
         assert torch.equal(one[0], block[i])
