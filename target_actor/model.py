@@ -76,7 +76,7 @@ class _AttnPlan:
     def additive_mask(self, item: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Item ``item``'s mask as SDPA's additive one (0 where a key is seen, -inf where
         not), built once a forward: SDPA turns a boolean mask into this itself at every
-        layer, a quarter of a long prompt chunk's attention (the same bits either way)."""
+        layer, a large share of a long prompt chunk's attention (the same bits either way)."""
         mask = self.items[item][4]
         if mask is None:
             return None
@@ -219,18 +219,25 @@ class DecoderLayer(nn.Module):
                     out[i] = o.reshape(-1)
                 continue
             keys, values = cache.view(layer_id, seq_id, start + n, q.dtype)  # [kv_heads, L, hd]
-            # [1, heads, n, hd] against [1, kv_heads, L, hd] (GQA): 4-D inputs take torch's
-            # fused CPU kernel (3-D ones fall back to ~15 small ops), and the [n, L] mask is
-            # shared by every head
-            qs = q[off : off + n].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(
-                qs,
-                keys[None],
-                values[None],
-                attn_mask=plan.additive_mask(item, q.dtype),
-                scale=self.scale,
-                enable_gqa=group > 1,
-            )
+            mask = plan.additive_mask(item, q.dtype)
+            if n > EXACT_ROWS:
+                # a prompt chunk: [1, heads, n, hd] against [1, kv_heads, L, hd] (GQA), the
+                # [n, L] mask shared by every head; 4-D inputs take torch's fused CPU kernel
+                # (3-D ones fall back to ~15 small ops)
+                qs = q[off : off + n].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(
+                    qs, keys[None], values[None], attn_mask=mask, scale=self.scale,
+                    enable_gqa=group > 1,
+                )  # fmt: skip
+            else:
+                # a decode row or verify block: a KV group's query heads folded together,
+                # [1, kv_heads, group * n, hd], the layout the rows-alone path above takes
+                # too, so a row's bits do not depend on the block it rides in
+                qs = q[off : off + n].transpose(0, 1).reshape(1, self.kv_heads, group * n, hd)
+                mask = None if mask is None else mask.repeat(group, 1)
+                o = F.scaled_dot_product_attention(
+                    qs, keys[None], values[None], attn_mask=mask, scale=self.scale
+                )
             out[off : off + n] = o.view(self.heads, n, hd).transpose(0, 1).reshape(n, -1)
         return out
 

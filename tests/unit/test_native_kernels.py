@@ -417,3 +417,31 @@ def test_the_layers_in_one_c_call_give_the_python_loops_bits(tiny_checkpoints, a
         assert torch.equal(a.logits, b.logits)
         assert torch.equal(a.tap_hidden, b.tap_hidden)
         assert torch.equal(a.tap_k, b.tap_k) and torch.equal(a.tap_v, b.tap_v)
+
+
+def _attend_torch(layer, cache, q, k, v, rows: slice, start: int) -> torch.Tensor:
+    """``rows`` of q/k/v at ``start`` through the torch path, rows alone (``row_exact``)."""
+    n = rows.stop - rows.start
+    batch = ForwardBatch([0], torch.zeros(n, dtype=torch.long), [n], [start], [n])
+    plan = _AttnPlan(batch, cache, None, row_exact=True)
+    return layer._attend(q[rows], k[rows], v[rows], plan, cache, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_the_kernel_a_row_is_the_same_alone_or_in_a_block(dtype):
+    """The torch path (no C kernels; rows alone where ``row_exact``): row i of a verify
+    block equals the 1-row step at its position: both fold a KV group's query heads into
+    one SDPA call the same way."""
+    heads, kv_heads, hd, length = 6, 2, 32, 40
+    layer = _layer(heads, kv_heads, hd)
+    gen = torch.Generator().manual_seed(7)
+    cache = KVCache(1, kv_heads, hd, 1000, dtype=dtype)
+    cache.reserve(0, length + 8)
+    cache.set_length(0, length + 8)
+    data = cache.seqs[0].data
+    data[:, :, :, :length].copy_(torch.randn(data[:, :, :, :length].shape, generator=gen))
+    q, k, v = (torch.randn(8, h, hd, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    block = _attend_torch(layer, cache, q, k, v, slice(0, 8), length)
+    for i in range(8):
+        one = _attend_torch(layer, cache, q, k, v, slice(i, i + 1), length + i)
+        assert torch.equal(one[0], block[i]), i
