@@ -1,11 +1,16 @@
-"""``longspark bench forms``: each weight form's speed and its greedy agreement with fp32.
+"""``longspark bench forms``: each weight form's speed and its closeness to fp32.
 
 For every form (dtype x quant) the same prompts of the benchmark mix are decoded greedily
 (plain decoding, in process) and compared token by token with the fp32 reference:
 ``agreement`` is the mean fraction of each reply that matches the reference before the
-first differing token, ``exact`` the share of replies that match whole. The step times are
-forwards of the target alone at the row counts a round has (1 row, a k=7 verify of 8 rows,
-8 and 32 decode rows) at a context of 256 tokens.
+first differing token, ``exact`` the share of replies that match whole. A greedy reply of a
+small model drifts for good after its first differing token, so the form is also read on
+the reference's own replies, teacher-forced (llama.cpp's ``perplexity --kl-divergence``
+measures quantisations so): at each reply position, the KL divergence of the form's
+next-token distribution from the reference's (mean and 99th percentile) and whether both
+put the same token first. The step times are forwards of the target alone at the row
+counts a round has (1 row, a k=7 verify of 8 rows, 8 and 32 decode rows) at a context of
+256 tokens.
 """
 
 from __future__ import annotations
@@ -64,6 +69,34 @@ def _agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float
     return sum(fractions) / len(fractions), exact / len(ref)
 
 
+def _reply_logprobs(
+    runner: TargetRunner, prompts: list[list[int]], replies: list[list[int]]
+) -> list[torch.Tensor]:
+    """Per prompt, the log-probabilities ``[len(reply), vocab]`` the runner gives each reply
+    token's position with the prompt and the reply before it as context (one prefill)."""
+    out = []
+    for prompt, reply in zip(prompts, replies, strict=True):
+        ids = prompt + reply[:-1]
+        batch = ForwardBatch.single(0, ids, 0, num_logits=len(reply))
+        out.append(torch.log_softmax(runner.forward(batch).logits.float(), -1))
+        runner.free([0])
+    return out
+
+
+def _divergence(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict[str, float]:
+    """KL(reference || form) per position (mean, 99th percentile) and the share of positions
+    whose most likely token is the same."""
+    kl = torch.cat(
+        [(r.exp() * (r - g)).sum(-1).clamp_min(0) for r, g in zip(ref, got, strict=True)]
+    )
+    same = torch.cat([r.argmax(-1) == g.argmax(-1) for r, g in zip(ref, got, strict=True)])
+    return {
+        "kl_mean": round(kl.mean().item(), 6),
+        "kl_p99": round(kl.quantile(0.99).item(), 6),
+        "same_top1": round(same.float().mean().item(), 4),
+    }
+
+
 def run_forms_bench(
     target: str | None, per_category: int, max_tokens: int, forms=FORMS
 ) -> dict[str, Any]:
@@ -74,13 +107,15 @@ def run_forms_bench(
         for p in benchmark_mix(per_category, 0)
     ]
     params = SamplingParams(max_tokens=max_tokens)
-    rows, reference = [], None
+    rows, reference, ref_logprobs = [], None, None
     for dtype, quant in forms:
         target_ = LocalTarget(TargetSpec(str(path), dtype=dtype, quant=quant))
         runner = target_.runner
         replies = [o.token_ids for o in Engine(target_, tok).generate(prompts, params)]
         reference = reference or replies
         agree, exact = _agreement(reference, replies)
+        logprobs = _reply_logprobs(runner, prompts, reference)
+        ref_logprobs = ref_logprobs or logprobs
         weight_mb = (
             sum(
                 lin.nbytes
@@ -95,6 +130,7 @@ def run_forms_bench(
             "gemm_weight_mb": round(weight_mb / 2**20, 1),
             "greedy_agreement": round(agree, 4),
             "exact_replies": round(exact, 4),
+            **_divergence(ref_logprobs, logprobs),
             "step_ms": {f"{s}x{r}": round(_step_ms(runner, s, r), 2) for s, r in SHAPES},
         }
         row["verify8_over_step1"] = round(row["step_ms"]["1x8"] / row["step_ms"]["1x1"], 2)

@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
     drf.add_argument("--plot", default=None, help="write a PNG of the results here")
     drf.add_argument("--target", default=None)
     frm = bench_sub.add_parser(
-        "forms", help="each weight form's step time and greedy agreement with fp32"
+        "forms", help="each weight form's step times and closeness to fp32 (agreement, KL)"
     )
     frm.add_argument("--per-category", type=positive_int, default=3, help="prompts per set")
     frm.add_argument("--max-tokens", type=positive_int, default=128)

@@ -205,3 +205,20 @@ def test_quantized_weights_move_into_one_huge_page_arena_unchanged():
         )
         assert torch.equal(lin(x), y)
     assert into_arena(lins[:1]) is None  # under a huge page: left where it is
+
+
+def test_forms_divergence_is_zero_for_the_reference_and_sees_a_shifted_form():
+    """bench forms' teacher-forced reading: a form equal to the reference scores KL 0 and
+    the same first token everywhere; one that moves a position's mass to another token is
+    caught at that position only."""
+    from services.bench.weight_forms import _divergence
+
+    gen = torch.Generator().manual_seed(0)
+    ref = [torch.log_softmax(torch.randn(n, 50, generator=gen) * 3, -1) for n in (4, 6)]
+    same = _divergence(ref, [r.clone() for r in ref])
+    assert same["kl_mean"] == 0 and same["same_top1"] == 1
+    logits = [r.clone() for r in ref]
+    logits[1][2, ref[1][2].argmin()] += 50.0  # the least likely token becomes the first
+    shifted = _divergence(ref, [torch.log_softmax(g, -1) for g in logits])
+    assert shifted["same_top1"] == 0.9  # 9 of 10 positions
+    assert shifted["kl_p99"] > 1.0 and shifted["kl_mean"] > 0.1
