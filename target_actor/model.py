@@ -65,7 +65,7 @@ class _AttnPlan:
                     mask = keys <= q_pos
                 self.items.append((seq_id, off, start, n, mask))
             off += n
-        self._additive: dict[int, torch.Tensor] = {}
+        self._additive: dict[tuple[int, int], torch.Tensor] = {}
         self.native = None
         if native_rows:
             # columns: cache base, capacity, start, rows, first row (kept alive here);
@@ -73,17 +73,19 @@ class _AttnPlan:
             self.meta = torch.tensor(native_rows, dtype=torch.int64, device="cpu").t().contiguous()
             self.native = (lib.ls_attend, len(native_rows), *(c.data_ptr() for c in self.meta))
 
-    def additive_mask(self, item: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def additive_mask(self, item: int, dtype: torch.dtype, fold: int = 1) -> torch.Tensor | None:
         """Item ``item``'s mask as SDPA's additive one (0 where a key is seen, -inf where
-        not), built once a forward: SDPA turns a boolean mask into this itself at every
-        layer, a large share of a long prompt chunk's attention (the same bits either way)."""
+        not), its rows repeated ``fold`` times for folded query heads; built once a forward:
+        SDPA turns a boolean mask into this itself at every layer, a large share of a long
+        prompt chunk's attention (the same bits either way)."""
         mask = self.items[item][4]
         if mask is None:
             return None
-        if item not in self._additive:
+        if (item, fold) not in self._additive:
             add = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            self._additive[item] = add.masked_fill_(~mask, float("-inf"))
-        return self._additive[item]
+            add.masked_fill_(~mask, float("-inf"))
+            self._additive[item, fold] = add.repeat(fold, 1) if fold > 1 else add
+        return self._additive[item, fold]
 
 
 class DecoderLayer(nn.Module):
@@ -219,12 +221,12 @@ class DecoderLayer(nn.Module):
                     out[i] = o.reshape(-1)
                 continue
             keys, values = cache.view(layer_id, seq_id, start + n, q.dtype)  # [kv_heads, L, hd]
-            mask = plan.additive_mask(item, q.dtype)
             if n > EXACT_ROWS:
                 # a prompt chunk: [1, heads, n, hd] against [1, kv_heads, L, hd] (GQA), the
                 # [n, L] mask shared by every head; 4-D inputs take torch's fused CPU kernel
                 # (3-D ones fall back to ~15 small ops)
                 qs = q[off : off + n].transpose(0, 1)[None]
+                mask = plan.additive_mask(item, q.dtype)
                 o = F.scaled_dot_product_attention(
                     qs, keys[None], values[None], attn_mask=mask, scale=self.scale,
                     enable_gqa=group > 1,
@@ -234,7 +236,7 @@ class DecoderLayer(nn.Module):
                 # [1, kv_heads, group * n, hd], the layout the rows-alone path above takes
                 # too, so a row's bits do not depend on the block it rides in
                 qs = q[off : off + n].transpose(0, 1).reshape(1, self.kv_heads, group * n, hd)
-                mask = None if mask is None else mask.repeat(group, 1)
+                mask = plan.additive_mask(item, q.dtype, fold=group)
                 o = F.scaled_dot_product_attention(
                     qs, keys[None], values[None], attn_mask=mask, scale=self.scale
                 )
